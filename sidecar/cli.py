@@ -1,0 +1,107 @@
+"""``kv-sidecar``: serve, print the effective configuration, print the version."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from typing import Any
+
+import yaml
+
+from sidecar import __version__
+
+
+def _parse_set(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set expects KEY=VALUE (dotted keys, e.g. registry.capacity_entries=1000), got {item!r}")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out = _parse_set(args.set or [])
+    for flag in ("host", "port", "metrics_port", "log_level"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            out[flag] = value
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kv-sidecar",
+        description="KV Sidecar: content-hash chunk reuse, RoPE delta-rotation and span directives "
+        "for LLM inference engines, over gRPC.",
+        epilog="Configuration precedence: built-in defaults < --config file (or KV_SIDECAR_CONFIG) "
+        "< KV_SIDECAR_* environment variables < flags.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", help="YAML or JSON config file")
+        p.add_argument("--host", help="gRPC bind address (loopback unless auth is configured)")
+        p.add_argument("--port", type=int, help="gRPC port (0 = any free port)")
+        p.add_argument("--metrics-port", dest="metrics_port", type=int, help="Prometheus port (-1 disables)")
+        p.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING, ...")
+        p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any setting by dotted key; repeatable")
+
+    common(sub.add_parser("serve", help="run the sidecar (embedded defaults: in-memory registry, loopback)"))
+    common(sub.add_parser("config", help="print the effective configuration as YAML and exit"))
+    sub.add_parser("version", help="print the version and exit")
+    return parser
+
+
+async def _serve(config: Any) -> None:
+    from sidecar.server import create_server
+
+    server, _port = await create_server(config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logging.getLogger("sidecar").info("signal received: draining for up to %.1fs", config.grace_period_s)
+    await server.stop(config.grace_period_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "version":
+        print(f"kv-sidecar {__version__}")
+        return 0
+    if args.command is None:
+        parser.print_help()
+        return 2
+    from sidecar.config import load_config, to_dict
+
+    try:
+        config = load_config(args.config, overrides=_overrides(args))
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"kv-sidecar: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "config":
+        print(yaml.safe_dump(json.loads(json.dumps(to_dict(config))), sort_keys=False), end="")
+        return 0
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    from sidecar.server import new_event_loop
+
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(_serve(config))
+    finally:
+        loop.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

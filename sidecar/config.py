@@ -1,0 +1,208 @@
+"""Typed configuration: defaults < config file < environment < command-line flags.
+
+* File: YAML or JSON, given by ``--config PATH`` or ``KV_SIDECAR_CONFIG``. Nested sections
+  mirror the dataclasses (``chunker:``, ``registry:``, ``auth:``).
+* Environment: ``KV_SIDECAR_<KEY>`` for top-level keys (``KV_SIDECAR_PORT=50052``) and
+  ``KV_SIDECAR_<SECTION>__<KEY>`` for nested ones (``KV_SIDECAR_REGISTRY__CAPACITY_BYTES=1e9``).
+  Values are parsed as YAML scalars/lists (``[1, 2]``, ``true``).
+* Flags: ``kv-sidecar serve --port 50052 --set registry.capacity_entries=100000``.
+
+``load_config`` is the only place that reads the environment; constructors never do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
+
+import yaml
+
+from sidecar.registry.chunker import ChunkerConfig
+from sidecar.registry.plan import AdmissionPolicy
+from sidecar.registry.registry import RegistryConfig
+
+ENV_PREFIX = "KV_SIDECAR_"
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuthConfig:
+    """Bearer tokens mapped to the tenants they may act as.
+
+    ``tokens: {"s3cret": ["team-a", "team-b"]}``. With no tokens configured, requests are not
+    authenticated, ``x-tenant-id`` is taken as given, and the server binds to loopback only.
+    ``shared_writers`` may store into the ``shared`` scope (operator-granted).
+    """
+
+    tokens: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    shared_writers: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", {str(k): tuple(v) for k, v in dict(self.tokens).items()})
+        object.__setattr__(self, "shared_writers", tuple(self.shared_writers))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tokens)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SidecarConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 picks a free port
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9464  # 0 picks a free port, -1 disables the metrics endpoint
+    grace_period_s: float = 5.0
+    max_prompt_tokens: int = 262_144
+    max_message_bytes: int = 64 << 20
+    default_tenant: str = "default"
+    default_policy: AdmissionPolicy = AdmissionPolicy.POSITION_INDEPENDENT
+    log_level: str = "INFO"
+    chunker: ChunkerConfig = field(default_factory=ChunkerConfig)
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port {self.port} out of range")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port {self.metrics_port} out of range")
+        if self.max_prompt_tokens <= 0:
+            raise ValueError("max_prompt_tokens must be positive")
+        if self.grace_period_s < 0:
+            raise ValueError("grace_period_s must be >= 0")
+        object.__setattr__(self, "default_policy", AdmissionPolicy(self.default_policy))
+
+    @property
+    def bind_host(self) -> str:
+        """Where the gRPC port binds: loopback only unless authentication is configured."""
+        if not self.auth.enabled and self.host not in LOOPBACK_HOSTS:
+            return "127.0.0.1"
+        return self.host
+
+
+# ------------------------------------------------------------------------------- loading
+
+
+def _coerce(tp: Any, value: Any) -> Any:
+    """Convert a parsed YAML/JSON/env value to the annotated field type."""
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"expected a mapping for {tp.__name__}, got {value!r}")
+        return build(tp, value)
+    origin = get_origin(tp)
+    if origin is tuple:
+        args = get_args(tp)
+        inner = args[0] if args else Any
+        return tuple(_coerce(inner, v) for v in (value or ()))
+    if origin in (dict, Mapping) or tp is Mapping:
+        return dict(value or {})
+    if tp is bool:
+        if isinstance(value, str):
+            return value.strip().lower() in ("1", "true", "yes", "on")
+        return bool(value)
+    if tp is int:
+        return int(float(value)) if isinstance(value, str) else int(value)
+    if tp is float:
+        return float(value)
+    if tp is str:
+        return str(value)
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        return tp(value)
+    return value
+
+
+def build(cls: type, values: Mapping[str, Any]) -> Any:
+    """Instantiate dataclass ``cls`` from a nested mapping, rejecting unknown keys."""
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = set(values) - set(fields)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} setting(s): {sorted(unknown)}")
+    kwargs = {k: _coerce(hints[k], v) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _merge(dict(out[k]), v)
+        else:
+            out[k] = v
+    return out
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, raw in env.items():
+        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "CONFIG":
+            continue
+        dotted = key[len(ENV_PREFIX) :].lower().replace("__", ".")
+        _set_dotted(tree, dotted, yaml.safe_load(raw))
+    return tree
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    text = Path(path).read_text()
+    data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"config file {path} must hold a mapping at the top level")
+    return dict(data)
+
+
+def load_config(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> SidecarConfig:
+    """Resolve the configuration with precedence defaults < file < env < ``overrides``.
+
+    ``overrides`` maps dotted keys (``"registry.capacity_entries"``) to values (flags).
+    """
+    env = os.environ if env is None else env
+    tree: dict[str, Any] = {}
+    path = path or env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        tree = _merge(tree, read_file(path))
+    tree = _merge(tree, _env_overrides(env))
+    flag_tree: dict[str, Any] = {}
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(flag_tree, dotted, value)
+    tree = _merge(tree, flag_tree)
+    return build(SidecarConfig, tree)
+
+
+def to_dict(config: SidecarConfig) -> dict[str, Any]:
+    """Plain nested dict of the effective configuration (``kv-sidecar config``)."""
+
+    def conv(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v) if f.init}
+        if isinstance(v, Enum):
+            return v.value
+        if isinstance(v, tuple):
+            return [conv(x) for x in v]
+        if isinstance(v, Mapping):
+            return {k: conv(x) for k, x in v.items()}
+        return v
+
+    return conv(config)

@@ -1,0 +1,116 @@
+"""Error taxonomy and the one table that maps it to gRPC status codes.
+
+Three tiers (STYLE.md): caller mistakes are ``ValueError``/``TypeError`` (or ``InvalidArgument``,
+which is both a ``ValueError`` and a ``SidecarError``) and become INVALID_ARGUMENT at the edge;
+refusals are typed ``SidecarError`` subclasses carrying their status; invariant violations are
+``InvariantViolation`` (INTERNAL, with a bug id, counted). The server maps exceptions with
+``status_for``; the client maps statuses back with ``error_for_status``. Nothing else in the
+code base chooses a status code.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+
+
+class SidecarError(Exception):
+    """Base of every error the sidecar reports with a specific gRPC status."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    #: Clients may retry the call after a backoff.
+    transient: bool = False
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(SidecarError, ValueError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class FailedPrecondition(SidecarError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NotFound(SidecarError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ResourceExhausted(SidecarError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unauthenticated(SidecarError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(SidecarError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Unavailable(SidecarError):
+    code = grpc.StatusCode.UNAVAILABLE
+    transient = True
+
+
+class Unimplemented(SidecarError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class Internal(SidecarError):
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvariantViolation(Internal):
+    """A broken internal invariant: never silently recovered (ARCHITECTURE.md, directives)."""
+
+    def __init__(self, message: str, bug_id: str | None = None) -> None:
+        self.bug_id = bug_id or uuid.uuid4().hex[:12]
+        super().__init__(f"{message} (bug id {self.bug_id})")
+
+
+_BY_CODE: dict[grpc.StatusCode, type[SidecarError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        FailedPrecondition,
+        NotFound,
+        ResourceExhausted,
+        Unauthenticated,
+        PermissionDenied,
+        Unavailable,
+        Unimplemented,
+        Internal,
+    )
+}
+
+
+class DeadlineExceeded(SidecarError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+_BY_CODE[grpc.StatusCode.DEADLINE_EXCEEDED] = DeadlineExceeded
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and message for an exception raised by domain code."""
+    if isinstance(exc, SidecarError):
+        return exc.code, exc.message
+    if isinstance(exc, (ValueError, TypeError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def error_for_status(code: grpc.StatusCode, message: str) -> SidecarError:
+    """The typed client-side error for a status received from a server."""
+    cls = _BY_CODE.get(code, SidecarError)
+    if cls is SidecarError:
+        err = SidecarError(f"{code.name}: {message}")
+        err.code = code
+        return err
+    if cls is InvariantViolation:
+        return Internal(message)
+    return cls(message)

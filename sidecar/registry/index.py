@@ -1,0 +1,201 @@
+"""The chunk index: chunker + registry behind Lookup and Store (no gRPC here).
+
+Lookup (ARCHITECTURE.md, "The request path")::
+
+    tokens ──CDC──> chunks c0..cm  (bounds, per-scope keys, prefix digests: one compiled pass)
+    skip chunks wholly inside the engine's own prefix
+    for each remaining chunk (per chunk, never per token):
+        entry = own-scope key or shared-scope key       (one C-level map per scope)
+        verify stored tokens == prompt tokens            (a 64-bit hash is never trusted alone)
+        exact   = same source position and same whole left context (prefix digest)
+        admit by policy: exact | position_independent (+ carve-out, window W, recompute k)
+    emit ENGINE_PREFIX | CHUNK_HIT | PREFILL segments tiling [0, n)
+
+A chunk registered by Store is visible to the very next Lookup: registration is synchronous
+on the event loop that also serves lookups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sidecar.identity import SHARED_SCOPE, CacheIdentity
+from sidecar.registry.chunker import ChunkerConfig, Chunks, chunk_tokens
+from sidecar.registry.plan import CARVE_OUT_TOKENS, AdmissionPolicy, Fidelity, LookupPlan, SegmentKind
+from sidecar.registry.registry import ChunkEntry, ChunkHash, EntryState, InMemoryRegistry
+
+_HIT = int(SegmentKind.CHUNK_HIT)
+_PREFILL = int(SegmentKind.PREFILL)
+_EXACT = int(Fidelity.EXACT)
+_APPROX = int(Fidelity.APPROXIMATE)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LookupQuery:
+    """A validated Lookup. ``data`` is the packed LE uint32 view of ``tokens``."""
+
+    tokens: np.ndarray
+    data: bytes
+    identity: CacheIdentity
+    scope: str
+    engine_prefix_len: int = 0
+    policy: AdmissionPolicy = AdmissionPolicy.POSITION_INDEPENDENT
+    left_context_window: int = 0
+    recompute_tokens: int = 0
+    dry_run: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterResult:
+    chunks_total: int
+    chunks_registered: int
+    chunks_refreshed: int
+    keys: tuple[ChunkHash, ...]
+    bounds: tuple[int, ...]
+
+
+class ChunkIndex:
+    """Owns the chunker configuration and the registry; plans lookups, registers chunks."""
+
+    def __init__(self, chunker: ChunkerConfig, registry: InMemoryRegistry) -> None:
+        self.chunker = chunker
+        self.registry = registry
+
+    def chunk(self, tokens: np.ndarray, identity: CacheIdentity, scopes: tuple[str, ...]) -> Chunks:
+        seeds = [identity.scope_seed(s) for s in scopes]
+        return chunk_tokens(tokens, self.chunker, seeds, identity.salt)
+
+    # ----------------------------------------------------------------------------- lookup
+
+    def lookup(self, q: LookupQuery) -> LookupPlan:
+        n = len(q.tokens)
+        epl = q.engine_prefix_len
+        scopes = (q.scope,) if q.scope == SHARED_SCOPE else (q.scope, SHARED_SCOPE)
+        chunks = self.chunk(q.tokens, q.identity, scopes)
+        bounds = chunks.bounds
+        plan = LookupPlan(dry_run=q.dry_run)
+        summary = plan.summary
+        summary.total_tokens = n
+        if epl > 0:
+            plan.add(int(SegmentKind.ENGINE_PREFIX), 0, epl)
+            summary.prefix_tokens = epl
+        if epl >= n:
+            return plan
+
+        # First chunk that ends past the engine's prefix (it may straddle the prefix end).
+        c0 = int(np.searchsorted(bounds, epl, side="right")) - 1
+        bl = bounds[c0:].tolist()
+        prefix = chunks.prefix_digests[c0:].tolist()
+        reg = self.registry
+        cands = reg.get_many(chunks.fingerprints[0, c0:].tolist())
+        shared = reg.get_many(chunks.fingerprints[1, c0:].tolist()) if len(scopes) > 1 else None
+
+        data = q.data
+        exact_only = q.policy is AdmissionPolicy.EXACT
+        window = q.left_context_window
+        k = q.recompute_tokens
+        dry = q.dry_run
+        hit_tokens_exact = hit_tokens_shifted = chunks_hit = 0
+        touched: list[ChunkEntry] = []
+        for j, entry in enumerate(cands):
+            a = bl[j]
+            b = bl[j + 1]
+            seg = a if a > epl else epl
+            if entry is None or entry.scope != q.scope:
+                entry = shared[j] if shared is not None else None
+                if entry is not None and entry.scope != SHARED_SCOPE:
+                    entry = None
+            if entry is None or (not dry and entry.state is not EntryState.RESIDENT):
+                plan.add(_PREFILL, seg, b)
+                continue
+            if not reg.verify(entry, data[4 * a : 4 * b]):
+                plan.add(_PREFILL, seg, b)
+                continue
+            src = entry.source_pos
+            exact = src == a and entry.prefix_digest == prefix[j]
+            if not exact:
+                if exact_only:
+                    plan.add(_PREFILL, seg, b)
+                    continue
+                if window and data[4 * max(0, a - window) : 4 * a] != entry.left_context[-4 * window :]:
+                    plan.add(_PREFILL, seg, b)
+                    continue
+                # Carve-out: positions below 32 are never served from a shifted chunk; the first
+                # k tokens of a shifted chunk are re-prefilled (boundary repair).
+                lo = a + k
+                if lo < CARVE_OUT_TOKENS:
+                    lo = CARVE_OUT_TOKENS
+                if lo > seg:
+                    if lo >= b:
+                        plan.add(_PREFILL, seg, b)
+                        continue
+                    plan.add(_PREFILL, seg, lo)
+                    seg = lo
+            off = seg - a
+            plan.add(_HIT, seg, b, entry.key, off, src + off, a - src, _EXACT if exact else _APPROX)
+            chunks_hit += 1
+            if exact:
+                hit_tokens_exact += b - seg
+            else:
+                hit_tokens_shifted += b - seg
+            if not dry:
+                touched.append(entry)
+        for entry in touched:
+            reg.touch(entry)
+        summary.chunks_total = len(cands)
+        summary.chunks_hit = chunks_hit
+        summary.exact_tokens = hit_tokens_exact
+        summary.shifted_tokens = hit_tokens_shifted
+        summary.prefill_tokens = n - epl - hit_tokens_exact - hit_tokens_shifted
+        return plan
+
+    # ----------------------------------------------------------------------------- register
+
+    def register(
+        self,
+        tokens: np.ndarray,
+        data: bytes,
+        identity: CacheIdentity,
+        scope: str,
+        *,
+        register_from: int = 0,
+        state: EntryState = EntryState.OBSERVED,
+    ) -> RegisterResult:
+        """Register every chunk of ``tokens`` that starts at or after ``register_from``.
+
+        ``tokens`` is the whole sequence from position 0, so chunk boundaries and left-context
+        digests are the same ones a later Lookup computes. Idempotent: re-registering a chunk
+        refreshes its recency and keeps its canonical source position.
+        """
+        chunks = self.chunk(tokens, identity, (scope,))
+        bounds = chunks.bounds.tolist()
+        keys = chunks.fingerprints[0].tolist()
+        prefix = chunks.prefix_digests.tolist()
+        ctx = self.registry.config.left_context_tokens
+        added = refreshed = 0
+        out_keys: list[ChunkHash] = []
+        out_bounds: list[int] = []
+        for c, key in enumerate(keys):
+            a, b = bounds[c], bounds[c + 1]
+            if a < register_from:
+                continue
+            entry = ChunkEntry(
+                key=ChunkHash(key),
+                scope=scope,
+                tokens=data[4 * a : 4 * b],
+                source_pos=a,
+                prefix_digest=prefix[c],
+                left_context=data[4 * max(0, a - ctx) : 4 * a] if ctx else b"",
+                state=state,
+            )
+            if self.registry.insert(entry):
+                added += 1
+            else:
+                refreshed += 1
+            out_keys.append(ChunkHash(key))
+            out_bounds.append(a)
+        if out_bounds:
+            out_bounds.append(bounds[-1])
+        return RegisterResult(len(out_keys), added, refreshed, tuple(out_keys), tuple(out_bounds))

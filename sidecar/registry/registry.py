@@ -1,0 +1,193 @@
+"""In-memory content-hash chunk registry: capacity-bounded LRU with token verification.
+
+Keys are ``ChunkHash`` fingerprints (xxh64 salted with the cache identity and the scope, see
+``chunker``). An entry remembers the chunk's tokens (every hit is verified against them: a
+64-bit hash is never trusted alone), where it was computed (``source_pos``), the digest of its
+whole left context (``prefix_digest``, for exact reuse) and up to ``left_context_tokens`` of
+the tokens right before it (for the left-context-window admission guard).
+
+Recency is an ``OrderedDict`` (``move_to_end`` on hit or refresh, ``popitem(last=False)`` to
+evict): O(1), no allocation on the hit path. Capacity is bounded in entries and in bytes; the
+byte count is what an entry holds in memory (token bytes + left context + a fixed overhead).
+
+Thread-safety: the registry is owned by the server's event loop; callers serialise access.
+Events (evictions) are a buffer the caller drains with ``take_events``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NewType
+
+ChunkHash = NewType("ChunkHash", int)
+
+#: Rough per-entry Python overhead (object, dict slot, bytes headers), counted in capacity.
+ENTRY_OVERHEAD_BYTES = 256
+
+
+class EntryState(str, Enum):
+    OBSERVED = "observed"  # metadata only: counted by observer-mode lookups, never served
+    RESIDENT = "resident"  # KV payload held by a tier: served to engines
+
+
+@dataclass(slots=True, eq=False)
+class ChunkEntry:
+    key: ChunkHash
+    scope: str
+    tokens: bytes  # packed little-endian uint32
+    source_pos: int
+    prefix_digest: int
+    left_context: bytes  # packed LE uint32, at most left_context_tokens tokens before the chunk
+    state: EntryState = EntryState.OBSERVED
+    tier: str | None = None
+    hits: int = 0
+    first_seen: float = field(default_factory=time.time)
+    last_seen: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // 4
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.tokens) + len(self.left_context) + ENTRY_OVERHEAD_BYTES
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegistryConfig:
+    capacity_entries: int = 1_000_000
+    capacity_bytes: int = 1 << 30
+    left_context_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        if self.capacity_entries <= 0:
+            raise ValueError("registry.capacity_entries must be positive")
+        if self.capacity_bytes <= 0:
+            raise ValueError("registry.capacity_bytes must be positive")
+        if self.left_context_tokens < 0:
+            raise ValueError("registry.left_context_tokens must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryEvent:
+    kind: str  # "evicted"
+    key: ChunkHash
+    scope: str
+    reason: str  # "capacity_entries" | "capacity_bytes" | "deleted"
+
+
+@dataclass(slots=True)
+class RegistryStats:
+    entries: int = 0
+    bytes: int = 0
+    evictions: int = 0
+    hits: int = 0
+    verify_failures: int = 0
+    inserts: int = 0
+
+
+class InMemoryRegistry:
+    """Capacity-bounded LRU map ``ChunkHash -> ChunkEntry``."""
+
+    def __init__(self, config: RegistryConfig) -> None:
+        self.config = config
+        self._entries: OrderedDict[int, ChunkEntry] = OrderedDict()
+        self._bytes = 0
+        self._events: list[RegistryEvent] = []
+        self.stats = RegistryStats()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._entries
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def peek(self, key: int) -> ChunkEntry | None:
+        """Entry for ``key`` without touching recency or hit counts."""
+        return self._entries.get(key)
+
+    def get_many(self, keys: list[int]) -> list[ChunkEntry | None]:
+        """Entries for ``keys`` (None where absent); no recency change. One C-level map."""
+        return list(map(self._entries.get, keys))
+
+    def verify(self, entry: ChunkEntry, tokens: bytes | memoryview) -> bool:
+        """True when ``tokens`` equal the entry's stored tokens; counts mismatches."""
+        if entry.tokens == tokens:
+            return True
+        self.stats.verify_failures += 1
+        return False
+
+    def touch(self, entry: ChunkEntry) -> None:
+        """Record a served hit: recency and hit count."""
+        entry.hits += 1
+        entry.last_seen = time.time()
+        self.stats.hits += 1
+        self._entries.move_to_end(entry.key)
+
+    def insert(self, entry: ChunkEntry) -> bool:
+        """Insert ``entry``, or refresh the existing entry with the same key.
+
+        Returns True when a new entry was added. An existing entry keeps its canonical
+        ``source_pos`` and context (stored KV is always rotated from its source position) and
+        only moves to the most-recent end. An existing entry whose tokens differ (a 64-bit
+        collision) is left alone and the insert is refused (counted as a verify failure).
+        Evicts least-recently-used entries until both capacities hold.
+        """
+        old = self._entries.get(entry.key)
+        if old is not None:
+            if old.tokens != entry.tokens:
+                self.stats.verify_failures += 1
+                return False
+            old.last_seen = time.time()
+            self._entries.move_to_end(entry.key)
+            return False
+        if entry.nbytes > self.config.capacity_bytes:
+            return False
+        self._entries[entry.key] = entry
+        self._bytes += entry.nbytes
+        self.stats.inserts += 1
+        self._evict_to_capacity()
+        return True
+
+    def delete(self, key: int) -> bool:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return False
+        self._bytes -= entry.nbytes
+        self._events.append(RegistryEvent("evicted", entry.key, entry.scope, "deleted"))
+        return True
+
+    def _evict_to_capacity(self) -> None:
+        cfg = self.config
+        while len(self._entries) > cfg.capacity_entries or self._bytes > cfg.capacity_bytes:
+            reason = "capacity_entries" if len(self._entries) > cfg.capacity_entries else "capacity_bytes"
+            _, victim = self._entries.popitem(last=False)
+            self._bytes -= victim.nbytes
+            self.stats.evictions += 1
+            self._events.append(RegistryEvent("evicted", victim.key, victim.scope, reason))
+
+    def keys_lru(self) -> list[int]:
+        """Keys from least to most recently used (for tests and operators)."""
+        return list(self._entries.keys())
+
+    def take_events(self) -> list[RegistryEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def snapshot_stats(self) -> RegistryStats:
+        s = self.stats
+        return RegistryStats(
+            entries=len(self._entries),
+            bytes=self._bytes,
+            evictions=s.evictions,
+            hits=s.hits,
+            verify_failures=s.verify_failures,
+            inserts=s.inserts,
+        )

@@ -1,0 +1,364 @@
+"""The gRPC server: ``create_server(config) -> (server, port)`` on grpc.aio + uvloop.
+
+The servicer is thin: it resolves the tenant, validates and converts the wire request
+(``sidecar.wire``), calls the domain (``ChunkIndex``), converts the result back and counts it.
+Exceptions map to gRPC statuses in one place (``sidecar.errors.status_for``); a request that
+fails validation changes nothing.
+
+Also served: gRPC health checking (``grpc.health.v1.Health``; NOT_SERVING during shutdown) and
+server reflection (grpcurl works without the proto), plus Prometheus on ``metrics_port``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from sidecar import __version__
+from sidecar.config import SidecarConfig
+from sidecar.errors import InvalidArgument, Unimplemented, status_for
+from sidecar.identity import SHARED_SCOPE
+from sidecar.metrics import Metrics
+from sidecar.registry.chunker import warmup
+from sidecar.registry.index import ChunkIndex, LookupQuery
+from sidecar.registry.plan import AdmissionPolicy
+from sidecar.registry.registry import InMemoryRegistry
+from sidecar.tenancy import Tenancy
+from sidecar.v1 import sidecar_pb2 as pb
+from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
+from sidecar.wire import IdentityCache, plan_to_wire, policy_from_wire, tokens_from_wire
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVSidecar"].full_name
+_PING = pb.PingResponse()
+
+
+def _rpc(method: str) -> Callable:
+    """Map exceptions to statuses (one place) and count every call by method and code."""
+
+    def deco(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        @functools.wraps(fn)
+        async def wrapper(self: "KVSidecarServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                result = await fn(self, request, context)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - every error leaves through status_for
+                code, message = status_for(exc)
+                if code is grpc.StatusCode.INTERNAL:
+                    logger.exception("%s failed", method)
+                self.metrics.requests.labels(method, code.name).inc()
+                await context.abort(code, message)
+            self._ok[method].inc()
+            return result
+
+        return wrapper
+
+    return deco
+
+
+class KVSidecarServicer(pb_grpc.KVSidecarServicer):
+    def __init__(self, config: SidecarConfig, index: ChunkIndex, metrics: Metrics) -> None:
+        self.config = config
+        self.index = index
+        self.metrics = metrics
+        self.tenancy = Tenancy(config.auth, config.default_tenant)
+        self.identities = IdentityCache()
+        self.started = time.time()
+        self._ok = {m: metrics.requests.labels(m, "OK") for m in ("Lookup", "Store", "Stats", "Ping")}
+        self._lookup_counters = {}
+        self.totals = {"lookups": 0, "lookup_tokens": 0, "prefix": 0, "exact": 0, "shifted": 0, "prefill": 0}
+
+    # ------------------------------------------------------------------------------ Lookup
+
+    @_rpc("Lookup")
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupPlan:
+        t0 = time.perf_counter()
+        tenant = self.tenancy.resolve(context.invocation_metadata())
+        query = self._lookup_query(request, tenant)
+        plan = self.index.lookup(query)
+        msg = plan_to_wire(plan)
+        self._count_lookup(query, plan.summary)
+        self.metrics.lookup_seconds.observe(time.perf_counter() - t0)
+        return msg
+
+    def _lookup_query(self, request: pb.LookupRequest, tenant: str) -> LookupQuery:
+        cfg = self.config
+        tokens = tokens_from_wire(request.tokens, "tokens", cfg.max_prompt_tokens)
+        identity = self.identities.get(request.identity, request.HasField("identity"))
+        policy = policy_from_wire(request.policy, cfg.default_policy)
+        n = len(tokens)
+        if request.engine_prefix_len > n:
+            raise InvalidArgument(f"engine_prefix_len: {request.engine_prefix_len} exceeds the prompt length {n}")
+        limit = cfg.registry.left_context_tokens
+        if request.left_context_window > limit:
+            raise InvalidArgument(
+                f"left_context_window: {request.left_context_window} exceeds registry.left_context_tokens {limit}"
+            )
+        if request.recompute_tokens > cfg.chunker.max_size:
+            raise InvalidArgument(
+                f"recompute_tokens: {request.recompute_tokens} exceeds the maximum chunk size {cfg.chunker.max_size}"
+            )
+        if policy is AdmissionPolicy.EXACT and (request.left_context_window or request.recompute_tokens):
+            raise InvalidArgument("policy: left_context_window / recompute_tokens apply to position_independent only")
+        return LookupQuery(
+            tokens=tokens,
+            data=request.tokens,
+            identity=identity,
+            scope=tenant,
+            engine_prefix_len=request.engine_prefix_len,
+            policy=policy,
+            left_context_window=request.left_context_window,
+            recompute_tokens=request.recompute_tokens,
+            dry_run=request.dry_run,
+        )
+
+    def _count_lookup(self, query: LookupQuery, s: Any) -> None:
+        key = (query.policy, query.dry_run)
+        counters = self._lookup_counters.get(key)
+        if counters is None:
+            dry = "true" if query.dry_run else "false"
+            m = self.metrics
+            counters = (
+                m.lookups.labels(query.policy.value, dry),
+                *(m.lookup_tokens.labels(kind, dry) for kind in ("prefix", "exact", "shifted", "prefill")),
+            )
+            self._lookup_counters[key] = counters
+        lookups, prefix, exact, shifted, prefill = counters
+        lookups.inc()
+        prefix.inc(s.prefix_tokens)
+        exact.inc(s.exact_tokens)
+        shifted.inc(s.shifted_tokens)
+        prefill.inc(s.prefill_tokens)
+        t = self.totals
+        t["lookups"] += 1
+        t["lookup_tokens"] += s.total_tokens
+        t["prefix"] += s.prefix_tokens
+        t["exact"] += s.exact_tokens
+        t["shifted"] += s.shifted_tokens
+        t["prefill"] += s.prefill_tokens
+
+    # ------------------------------------------------------------------------------- Store
+
+    @_rpc("Store")
+    async def Store(
+        self, request_iterator: AsyncIterator[pb.StoreRequest], context: grpc.aio.ServicerContext
+    ) -> pb.StoreResponse:
+        tenant = self.tenancy.resolve(context.invocation_metadata())
+        header = None
+        # Read the whole stream before changing anything: a bad message anywhere leaves the
+        # registry untouched.
+        async for msg in request_iterator:
+            which = msg.WhichOneof("msg")
+            if which == "header":
+                if header is not None:
+                    raise InvalidArgument("header: sent more than once in one Store stream")
+                header = msg.header
+            elif which == "payload":
+                if header is None:
+                    raise InvalidArgument("header: the first Store message must carry the header")
+                raise Unimplemented("payload: KV payloads are not accepted yet (metadata-only Store)")
+            else:
+                raise InvalidArgument("msg: empty StoreRequest (neither header nor payload)")
+        if header is None:
+            raise InvalidArgument("header: Store stream carried no header")
+        tokens = tokens_from_wire(header.tokens, "header.tokens", self.config.max_prompt_tokens)
+        identity = self.identities.get(header.identity, header.HasField("identity"))
+        if header.register_from > len(tokens):
+            raise InvalidArgument(f"header.register_from: {header.register_from} exceeds the sequence length {len(tokens)}")
+        scope = tenant
+        if header.shared:
+            self.tenancy.check_shared_write(tenant)
+            scope = SHARED_SCOPE
+        result = self.index.register(tokens, header.tokens, identity, scope, register_from=header.register_from)
+        m = self.metrics
+        m.store_chunks.labels("registered").inc(result.chunks_registered)
+        m.store_chunks.labels("refreshed").inc(result.chunks_refreshed)
+        for event in self.index.registry.take_events():
+            m.evictions.labels(event.reason).inc()
+        return pb.StoreResponse(
+            chunks_total=result.chunks_total,
+            chunks_registered=result.chunks_registered,
+            chunks_refreshed=result.chunks_refreshed,
+            chunks_observed=result.chunks_total,
+        )
+
+    # ------------------------------------------------------------------------------- Stats
+
+    @_rpc("Stats")
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        self.tenancy.resolve(context.invocation_metadata())
+        reg = self.index.registry
+        st = reg.snapshot_stats()
+        t = self.totals
+        return pb.StatsResponse(
+            version=__version__,
+            registry=pb.RegistryStats(
+                entries=st.entries,
+                bytes=st.bytes,
+                capacity_entries=reg.config.capacity_entries,
+                capacity_bytes=reg.config.capacity_bytes,
+                evictions=st.evictions,
+                hits=st.hits,
+                verify_failures=st.verify_failures,
+            ),
+            lookups=t["lookups"],
+            lookup_tokens=t["lookup_tokens"],
+            recovered_prefix_tokens=t["prefix"],
+            recovered_exact_tokens=t["exact"],
+            recovered_shifted_tokens=t["shifted"],
+            prefill_tokens=t["prefill"],
+            uptime_s=time.time() - self.started,
+        )
+
+    async def Ping(self, request: pb.PingRequest, context: grpc.aio.ServicerContext) -> pb.PingResponse:
+        return _PING
+
+
+class SidecarServer:
+    """A started sidecar: gRPC server, health, metrics endpoint. Stop with ``await stop()``."""
+
+    def __init__(self, config: SidecarConfig) -> None:
+        self.config = config
+        self.metrics = Metrics(__version__)
+        self.index = ChunkIndex(config.chunker, InMemoryRegistry(config.registry))
+        self.metrics.watch_registry(self.index.registry)
+        self.servicer = KVSidecarServicer(config, self.index, self.metrics)
+        opts = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.grpc = grpc.aio.server(options=opts)
+        pb_grpc.add_KVSidecarServicer_to_server(self.servicer, self.grpc)
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.grpc,
+        )
+        self.port = 0
+        self.metrics_port = -1
+        self._stopped = False
+
+    async def start(self) -> int:
+        cfg = self.config
+        host = cfg.bind_host
+        if host != cfg.host:
+            logger.warning("no authentication configured: binding %s instead of %s (loopback only)", host, cfg.host)
+        elif not cfg.auth.enabled:
+            logger.info("no authentication configured: serving on loopback only")
+        self.port = self.grpc.add_insecure_port(f"{host}:{cfg.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind gRPC port {host}:{cfg.port}")
+        warmup(cfg.chunker)
+        await self.grpc.start()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        if cfg.metrics_port >= 0:
+            self.metrics_port = self.metrics.serve_http(cfg.metrics_host, cfg.metrics_port)
+        logger.info("kv-sidecar %s serving %s on %s:%d", __version__, SERVICE_NAME, host, self.port)
+        return self.port
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            result = self.health.set(name, status)
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop accepting calls, let in-flight calls finish for ``grace`` seconds. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.grpc.stop(self.config.grace_period_s if grace is None else grace)
+        self.metrics.close()
+        logger.info("kv-sidecar stopped")
+
+    async def wait_for_termination(self) -> None:
+        await self.grpc.wait_for_termination()
+
+
+async def create_server(config: SidecarConfig) -> tuple[SidecarServer, int]:
+    """Build and start a sidecar; returns it and the bound gRPC port (config.port 0 = any)."""
+    server = SidecarServer(config)
+    port = await server.start()
+    return server, port
+
+
+class ServerThread:
+    """A sidecar on its own event loop in a daemon thread, for synchronous callers.
+
+    ``with ServerThread(config) as st: SyncSidecarClient(st.target)``.
+    """
+
+    def __init__(self, config: SidecarConfig) -> None:
+        self.config = config
+        self.server: SidecarServer | None = None
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "ServerThread":
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            loop = new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                self.server, self.port = loop.run_until_complete(create_server(self.config))
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(exc)
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="kv-sidecar", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if errors:
+            raise errors[0]
+        return self
+
+    def stop(self, grace: float = 0.5) -> None:
+        if self._loop is None or self.server is None:
+            return
+        fut = asyncio.run_coroutine_threadsafe(self.server.stop(grace), self._loop)
+        fut.result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join()
+        self.server = None
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop event loop when uvloop is installed, else asyncio's default."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; kept for embedding
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()

@@ -1,0 +1,209 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AdmissionPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADMISSION_POLICY_UNSPECIFIED: _ClassVar[AdmissionPolicy]
+    ADMISSION_POLICY_EXACT: _ClassVar[AdmissionPolicy]
+    ADMISSION_POLICY_POSITION_INDEPENDENT: _ClassVar[AdmissionPolicy]
+
+class SegmentKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SEGMENT_KIND_UNSPECIFIED: _ClassVar[SegmentKind]
+    SEGMENT_KIND_ENGINE_PREFIX: _ClassVar[SegmentKind]
+    SEGMENT_KIND_CHUNK_HIT: _ClassVar[SegmentKind]
+    SEGMENT_KIND_PREFILL: _ClassVar[SegmentKind]
+
+class Fidelity(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FIDELITY_UNSPECIFIED: _ClassVar[Fidelity]
+    FIDELITY_EXACT: _ClassVar[Fidelity]
+    FIDELITY_APPROXIMATE: _ClassVar[Fidelity]
+ADMISSION_POLICY_UNSPECIFIED: AdmissionPolicy
+ADMISSION_POLICY_EXACT: AdmissionPolicy
+ADMISSION_POLICY_POSITION_INDEPENDENT: AdmissionPolicy
+SEGMENT_KIND_UNSPECIFIED: SegmentKind
+SEGMENT_KIND_ENGINE_PREFIX: SegmentKind
+SEGMENT_KIND_CHUNK_HIT: SegmentKind
+SEGMENT_KIND_PREFILL: SegmentKind
+FIDELITY_UNSPECIFIED: Fidelity
+FIDELITY_EXACT: Fidelity
+FIDELITY_APPROXIMATE: Fidelity
+
+class CacheIdentity(_message.Message):
+    __slots__ = ("model_id", "weights_hash", "tokenizer_hash", "kv_layout", "rope_fingerprint", "block_size", "namespace")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ROPE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    weights_hash: str
+    tokenizer_hash: str
+    kv_layout: str
+    rope_fingerprint: str
+    block_size: int
+    namespace: str
+    def __init__(self, model_id: _Optional[str] = ..., weights_hash: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., kv_layout: _Optional[str] = ..., rope_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("tokens", "identity", "engine_prefix_len", "policy", "left_context_window", "recompute_tokens", "dry_run")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    LEFT_CONTEXT_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    tokens: bytes
+    identity: CacheIdentity
+    engine_prefix_len: int
+    policy: AdmissionPolicy
+    left_context_window: int
+    recompute_tokens: int
+    dry_run: bool
+    def __init__(self, tokens: _Optional[bytes] = ..., identity: _Optional[_Union[CacheIdentity, _Mapping]] = ..., engine_prefix_len: _Optional[int] = ..., policy: _Optional[_Union[AdmissionPolicy, str]] = ..., left_context_window: _Optional[int] = ..., recompute_tokens: _Optional[int] = ..., dry_run: bool = ...) -> None: ...
+
+class LookupSummary(_message.Message):
+    __slots__ = ("total_tokens", "prefix_tokens", "exact_tokens", "shifted_tokens", "prefill_tokens", "chunks_total", "chunks_hit")
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXACT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHIFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_HIT_FIELD_NUMBER: _ClassVar[int]
+    total_tokens: int
+    prefix_tokens: int
+    exact_tokens: int
+    shifted_tokens: int
+    prefill_tokens: int
+    chunks_total: int
+    chunks_hit: int
+    def __init__(self, total_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., exact_tokens: _Optional[int] = ..., shifted_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., chunks_total: _Optional[int] = ..., chunks_hit: _Optional[int] = ...) -> None: ...
+
+class LookupPlan(_message.Message):
+    __slots__ = ("kind", "start", "end", "chunk_hash", "chunk_offset", "source_pos", "delta", "fidelity", "summary", "dry_run")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_HASH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_POS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    FIDELITY_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    kind: _containers.RepeatedScalarFieldContainer[SegmentKind]
+    start: _containers.RepeatedScalarFieldContainer[int]
+    end: _containers.RepeatedScalarFieldContainer[int]
+    chunk_hash: _containers.RepeatedScalarFieldContainer[int]
+    chunk_offset: _containers.RepeatedScalarFieldContainer[int]
+    source_pos: _containers.RepeatedScalarFieldContainer[int]
+    delta: _containers.RepeatedScalarFieldContainer[int]
+    fidelity: _containers.RepeatedScalarFieldContainer[Fidelity]
+    summary: LookupSummary
+    dry_run: bool
+    def __init__(self, kind: _Optional[_Iterable[_Union[SegmentKind, str]]] = ..., start: _Optional[_Iterable[int]] = ..., end: _Optional[_Iterable[int]] = ..., chunk_hash: _Optional[_Iterable[int]] = ..., chunk_offset: _Optional[_Iterable[int]] = ..., source_pos: _Optional[_Iterable[int]] = ..., delta: _Optional[_Iterable[int]] = ..., fidelity: _Optional[_Iterable[_Union[Fidelity, str]]] = ..., summary: _Optional[_Union[LookupSummary, _Mapping]] = ..., dry_run: bool = ...) -> None: ...
+
+class StoreHeader(_message.Message):
+    __slots__ = ("tokens", "identity", "register_from", "shared")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_FROM_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    tokens: bytes
+    identity: CacheIdentity
+    register_from: int
+    shared: bool
+    def __init__(self, tokens: _Optional[bytes] = ..., identity: _Optional[_Union[CacheIdentity, _Mapping]] = ..., register_from: _Optional[int] = ..., shared: bool = ...) -> None: ...
+
+class PayloadPart(_message.Message):
+    __slots__ = ("chunk_index", "data", "last")
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    chunk_index: int
+    data: bytes
+    last: bool
+    def __init__(self, chunk_index: _Optional[int] = ..., data: _Optional[bytes] = ..., last: bool = ...) -> None: ...
+
+class StoreRequest(_message.Message):
+    __slots__ = ("header", "payload")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    header: StoreHeader
+    payload: PayloadPart
+    def __init__(self, header: _Optional[_Union[StoreHeader, _Mapping]] = ..., payload: _Optional[_Union[PayloadPart, _Mapping]] = ...) -> None: ...
+
+class StoreResponse(_message.Message):
+    __slots__ = ("chunks_total", "chunks_registered", "chunks_refreshed", "chunks_observed")
+    CHUNKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_REFRESHED_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    chunks_total: int
+    chunks_registered: int
+    chunks_refreshed: int
+    chunks_observed: int
+    def __init__(self, chunks_total: _Optional[int] = ..., chunks_registered: _Optional[int] = ..., chunks_refreshed: _Optional[int] = ..., chunks_observed: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RegistryStats(_message.Message):
+    __slots__ = ("entries", "bytes", "capacity_entries", "capacity_bytes", "evictions", "hits", "verify_failures")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    entries: int
+    bytes: int
+    capacity_entries: int
+    capacity_bytes: int
+    evictions: int
+    hits: int
+    verify_failures: int
+    def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_entries: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., hits: _Optional[int] = ..., verify_failures: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("version", "registry", "lookups", "lookup_tokens", "recovered_prefix_tokens", "recovered_exact_tokens", "recovered_shifted_tokens", "prefill_tokens", "uptime_s")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REGISTRY_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_EXACT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_SHIFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    registry: RegistryStats
+    lookups: int
+    lookup_tokens: int
+    recovered_prefix_tokens: int
+    recovered_exact_tokens: int
+    recovered_shifted_tokens: int
+    prefill_tokens: int
+    uptime_s: float
+    def __init__(self, version: _Optional[str] = ..., registry: _Optional[_Union[RegistryStats, _Mapping]] = ..., lookups: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., recovered_prefix_tokens: _Optional[int] = ..., recovered_exact_tokens: _Optional[int] = ..., recovered_shifted_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PingResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

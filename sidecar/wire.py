@@ -1,0 +1,143 @@
+"""Wire <-> domain conversion for sidecar.v1 messages, shared by the server and the client.
+
+Validation of caller input lives here so every RPC reports the same message for the same
+mistake, naming the field (``InvalidArgument`` -> INVALID_ARGUMENT at the edge).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from sidecar.errors import InvalidArgument
+from sidecar.identity import CacheIdentity
+from sidecar.registry.plan import AdmissionPolicy, LookupPlan, LookupSummary
+from sidecar.v1 import sidecar_pb2 as pb
+
+POLICY_FROM_WIRE = {
+    pb.ADMISSION_POLICY_EXACT: AdmissionPolicy.EXACT,
+    pb.ADMISSION_POLICY_POSITION_INDEPENDENT: AdmissionPolicy.POSITION_INDEPENDENT,
+}
+POLICY_TO_WIRE = {v: k for k, v in POLICY_FROM_WIRE.items()}
+_U32 = np.dtype("<u4")
+
+
+# ---------------------------------------------------------------------------------- tokens
+
+
+def tokens_from_wire(data: bytes, field: str = "tokens", max_tokens: int | None = None) -> np.ndarray:
+    """Zero-copy uint32 view of packed little-endian token bytes, validated."""
+    if len(data) % 4:
+        raise InvalidArgument(f"{field}: length {len(data)} bytes is not a multiple of 4 (packed little-endian uint32)")
+    if not data:
+        raise InvalidArgument(f"{field}: empty token sequence")
+    n = len(data) // 4
+    if max_tokens is not None and n > max_tokens:
+        raise InvalidArgument(f"{field}: {n} tokens exceeds the configured max_prompt_tokens {max_tokens}")
+    return np.frombuffer(data, dtype=_U32)
+
+
+def tokens_to_wire(tokens: "np.ndarray | Sequence[int] | bytes | bytearray | memoryview") -> bytes:
+    """Pack token ids (numpy array of any integer dtype, a list, or bytes) as LE uint32."""
+    if isinstance(tokens, (bytes, bytearray, memoryview)):
+        data = bytes(tokens)
+        if len(data) % 4:
+            raise ValueError(f"tokens: length {len(data)} bytes is not a multiple of 4")
+        return data
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens: expected a 1-D sequence, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"tokens: expected integer token ids, got dtype {arr.dtype}")
+    if arr.dtype != _U32:
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 2**32):
+            raise ValueError("tokens: ids must fit in uint32")
+        arr = arr.astype(_U32)
+    return arr.tobytes()
+
+
+# -------------------------------------------------------------------------------- identity
+
+
+class IdentityCache:
+    """Interns CacheIdentity objects by their wire fields (the salt is hashed once)."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._cache: OrderedDict[tuple, CacheIdentity] = OrderedDict()
+        self._capacity = capacity
+
+    def get(self, msg: pb.CacheIdentity, present: bool) -> CacheIdentity:
+        if not present or not msg.model_id:
+            raise InvalidArgument("identity.model_id is required")
+        key = (msg.model_id, msg.weights_hash, msg.tokenizer_hash, msg.kv_layout, msg.rope_fingerprint,
+               msg.block_size, msg.namespace)
+        ident = self._cache.get(key)
+        if ident is None:
+            ident = CacheIdentity(
+                model_id=msg.model_id, weights_hash=msg.weights_hash, tokenizer_hash=msg.tokenizer_hash,
+                kv_layout=msg.kv_layout, rope_fingerprint=msg.rope_fingerprint, block_size=msg.block_size,
+                namespace=msg.namespace,
+            )
+            self._cache[key] = ident
+            if len(self._cache) > self._capacity:
+                self._cache.popitem(last=False)
+        return ident
+
+
+def identity_to_wire(identity: CacheIdentity) -> pb.CacheIdentity:
+    return pb.CacheIdentity(
+        model_id=identity.model_id, weights_hash=identity.weights_hash, tokenizer_hash=identity.tokenizer_hash,
+        kv_layout=identity.kv_layout, rope_fingerprint=identity.rope_fingerprint, block_size=identity.block_size,
+        namespace=identity.namespace,
+    )
+
+
+def policy_from_wire(value: int, default: AdmissionPolicy) -> AdmissionPolicy:
+    if value == pb.ADMISSION_POLICY_UNSPECIFIED:
+        return default
+    policy = POLICY_FROM_WIRE.get(value)
+    if policy is None:
+        raise InvalidArgument(f"policy: unknown AdmissionPolicy value {value}")
+    return policy
+
+
+# ------------------------------------------------------------------------------------ plan
+
+
+def plan_to_wire(plan: LookupPlan) -> pb.LookupPlan:
+    msg = pb.LookupPlan(dry_run=plan.dry_run)
+    msg.kind.extend(plan.kind)
+    msg.start.extend(plan.start)
+    msg.end.extend(plan.end)
+    msg.chunk_hash.extend(plan.chunk_hash)
+    msg.chunk_offset.extend(plan.chunk_offset)
+    msg.source_pos.extend(plan.source_pos)
+    msg.delta.extend(plan.delta)
+    msg.fidelity.extend(plan.fidelity)
+    s = plan.summary
+    ms = msg.summary
+    ms.total_tokens = s.total_tokens
+    ms.prefix_tokens = s.prefix_tokens
+    ms.exact_tokens = s.exact_tokens
+    ms.shifted_tokens = s.shifted_tokens
+    ms.prefill_tokens = s.prefill_tokens
+    ms.chunks_total = s.chunks_total
+    ms.chunks_hit = s.chunks_hit
+    return msg
+
+
+def plan_from_wire(msg: pb.LookupPlan) -> LookupPlan:
+    s = msg.summary
+    return LookupPlan(
+        kind=list(msg.kind), start=list(msg.start), end=list(msg.end), chunk_hash=list(msg.chunk_hash),
+        chunk_offset=list(msg.chunk_offset), source_pos=list(msg.source_pos), delta=list(msg.delta),
+        fidelity=list(msg.fidelity),
+        summary=LookupSummary(
+            total_tokens=s.total_tokens, prefix_tokens=s.prefix_tokens, exact_tokens=s.exact_tokens,
+            shifted_tokens=s.shifted_tokens, prefill_tokens=s.prefill_tokens, chunks_total=s.chunks_total,
+            chunks_hit=s.chunks_hit,
+        ),
+        dry_run=msg.dry_run,
+    )
