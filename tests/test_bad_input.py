@@ -1,0 +1,124 @@
+"""Bad input: INVALID_ARGUMENT naming the field, nothing registered, the server keeps serving."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from sidecar.client import SidecarClient
+from sidecar.server import create_server
+from sidecar.v1 import sidecar_pb2 as pb
+from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
+from sidecar.wire import identity_to_wire
+from tests.conftest import make_config, message
+
+MAX_TOKENS = 4096
+
+
+@pytest.fixture
+async def small_server():
+    server, port = await create_server(make_config(max_prompt_tokens=MAX_TOKENS))
+    yield server, f"127.0.0.1:{port}"
+    await server.stop(0.1)
+
+
+def good_tokens(rng, n=300) -> bytes:
+    return message(rng, n).astype("<u4").tobytes()
+
+
+def lookup_cases(identity, rng):
+    ident = identity_to_wire(identity)
+    ok = good_tokens(rng)
+    return [
+        ("tokens", pb.LookupRequest(tokens=ok[:-1], identity=ident), "multiple of 4"),
+        ("tokens", pb.LookupRequest(tokens=b"", identity=ident), "empty"),
+        ("tokens", pb.LookupRequest(tokens=b"\0" * 4 * (MAX_TOKENS + 1), identity=ident), "max_prompt_tokens"),
+        ("identity.model_id", pb.LookupRequest(tokens=ok), "required"),
+        ("identity.model_id", pb.LookupRequest(tokens=ok, identity=pb.CacheIdentity(namespace="x")), "required"),
+        ("policy", pb.LookupRequest(tokens=ok, identity=ident, policy=7), "unknown"),
+        ("engine_prefix_len", pb.LookupRequest(tokens=ok, identity=ident, engine_prefix_len=10_000), "exceeds"),
+        ("left_context_window", pb.LookupRequest(tokens=ok, identity=ident, left_context_window=100_000), "exceeds"),
+        ("recompute_tokens", pb.LookupRequest(tokens=ok, identity=ident, recompute_tokens=100_000), "exceeds"),
+        ("policy", pb.LookupRequest(tokens=ok, identity=ident, policy=pb.ADMISSION_POLICY_EXACT, recompute_tokens=8),
+         "position_independent"),
+    ]
+
+
+def store_cases(identity, rng):
+    ident = identity_to_wire(identity)
+    ok = good_tokens(rng)
+    H = lambda **kw: pb.StoreRequest(header=pb.StoreHeader(**kw))  # noqa: E731
+    return [
+        ("header.tokens", [H(tokens=ok[:-2], identity=ident)], "multiple of 4"),
+        ("header.tokens", [H(tokens=b"", identity=ident)], "empty"),
+        ("header.tokens", [H(tokens=b"\0" * 4 * (MAX_TOKENS + 1), identity=ident)], "max_prompt_tokens"),
+        ("identity.model_id", [H(tokens=ok)], "required"),
+        ("header.register_from", [H(tokens=ok, identity=ident, register_from=10_000)], "exceeds"),
+        ("header", [], "no header"),
+        ("header", [H(tokens=ok, identity=ident), H(tokens=ok, identity=ident)], "more than once"),
+        ("header", [pb.StoreRequest(payload=pb.PayloadPart(data=b"x"))], "first Store message"),
+        ("msg", [H(tokens=ok, identity=ident), pb.StoreRequest()], "neither header nor payload"),
+    ]
+
+
+async def test_bad_lookups(small_server, identity, rng):
+    server, target = small_server
+    async with grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+        stub = pb_grpc.KVSidecarStub(ch)
+        await stub.Store(iter([pb.StoreRequest(header=pb.StoreHeader(tokens=good_tokens(rng), identity=identity_to_wire(identity)))]))
+        entries = len(server.index.registry)
+        for field, req, words in lookup_cases(identity, rng):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.Lookup(req)
+            assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT, field
+            assert ei.value.details().startswith(field), (field, ei.value.details())
+            assert words in ei.value.details(), (field, ei.value.details())
+        assert len(server.index.registry) == entries
+        await stub.Ping(pb.PingRequest())  # still serving
+
+
+async def test_bad_stores_register_nothing(small_server, identity, rng):
+    server, target = small_server
+    async with grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+        stub = pb_grpc.KVSidecarStub(ch)
+        for field, msgs, words in store_cases(identity, rng):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.Store(iter(msgs))
+            assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT, field
+            assert ei.value.details().startswith(field), (field, ei.value.details())
+            assert words in ei.value.details(), (field, ei.value.details())
+            assert len(server.index.registry) == 0, field
+        # Payload parts are not accepted yet: refused whole, nothing registered.
+        ident = identity_to_wire(identity)
+        msgs = [pb.StoreRequest(header=pb.StoreHeader(tokens=good_tokens(rng), identity=ident)),
+                pb.StoreRequest(payload=pb.PayloadPart(chunk_index=0, data=b"kv", last=True))]
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.Store(iter(msgs))
+        assert ei.value.code() is grpc.StatusCode.UNIMPLEMENTED and "payload" in ei.value.details()
+        assert len(server.index.registry) == 0
+        await stub.Ping(pb.PingRequest())
+
+
+async def test_bad_tenant_header(small_server, identity, rng):
+    from sidecar.errors import InvalidArgument
+
+    _, target = small_server
+    for bad in ("shared", "bad tenant!", "x" * 200):
+        async with SidecarClient(target, tenant=bad) as c:
+            with pytest.raises(InvalidArgument, match="x-tenant-id"):
+                await c.lookup(message(rng, 40), identity=identity)
+
+
+def test_client_side_token_validation(identity):
+    from sidecar.wire import tokens_to_wire
+
+    with pytest.raises(ValueError, match="uint32"):
+        tokens_to_wire([1, -2])
+    with pytest.raises(ValueError, match="integer"):
+        tokens_to_wire(np.array([1.5]))
+    with pytest.raises(ValueError, match="1-D"):
+        tokens_to_wire(np.zeros((2, 2), dtype=np.int32))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        tokens_to_wire(b"abc")
+    assert tokens_to_wire([1, 2**32 - 1]) == b"\x01\0\0\0\xff\xff\xff\xff"
