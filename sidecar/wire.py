@@ -108,14 +108,16 @@ def policy_from_wire(value: int, default: AdmissionPolicy) -> AdmissionPolicy:
 
 def plan_to_wire(plan: LookupPlan) -> pb.LookupPlan:
     msg = pb.LookupPlan(dry_run=plan.dry_run)
-    msg.kind.extend(plan.kind)
-    msg.start.extend(plan.start)
-    msg.end.extend(plan.end)
-    msg.chunk_hash.extend(plan.chunk_hash)
-    msg.chunk_offset.extend(plan.chunk_offset)
-    msg.source_pos.extend(plan.source_pos)
-    msg.delta.extend(plan.delta)
-    msg.fidelity.extend(plan.fidelity)
+    if plan.rows:
+        kind, start, end, chunk_hash, chunk_offset, source_pos, delta, fidelity = plan.columns()
+        msg.kind.extend(kind)
+        msg.start.extend(start)
+        msg.end.extend(end)
+        msg.chunk_hash.extend(chunk_hash)
+        msg.chunk_offset.extend(chunk_offset)
+        msg.source_pos.extend(source_pos)
+        msg.delta.extend(delta)
+        msg.fidelity.extend(fidelity)
     s = plan.summary
     ms = msg.summary
     ms.total_tokens = s.total_tokens
@@ -130,10 +132,11 @@ def plan_to_wire(plan: LookupPlan) -> pb.LookupPlan:
 
 def plan_from_wire(msg: pb.LookupPlan) -> LookupPlan:
     s = msg.summary
+    cols = (msg.kind, msg.start, msg.end, msg.chunk_hash, msg.chunk_offset, msg.source_pos, msg.delta, msg.fidelity)
+    if len({len(c) for c in cols}) != 1:
+        raise ValueError("LookupPlan: segment columns have different lengths")
     return LookupPlan(
-        kind=list(msg.kind), start=list(msg.start), end=list(msg.end), chunk_hash=list(msg.chunk_hash),
-        chunk_offset=list(msg.chunk_offset), source_pos=list(msg.source_pos), delta=list(msg.delta),
-        fidelity=list(msg.fidelity),
+        rows=list(zip(*cols)),
         summary=LookupSummary(
             total_tokens=s.total_tokens, prefix_tokens=s.prefix_tokens, exact_tokens=s.exact_tokens,
             shifted_tokens=s.shifted_tokens, prefill_tokens=s.prefill_tokens, chunks_total=s.chunks_total,

@@ -79,7 +79,7 @@ class ChunkIndex:
         summary = plan.summary
         summary.total_tokens = n
         if epl > 0:
-            plan.add(int(SegmentKind.ENGINE_PREFIX), 0, epl)
+            plan.rows.append((int(SegmentKind.ENGINE_PREFIX), 0, epl, 0, 0, 0, 0, 0))
             summary.prefix_tokens = epl
         if epl >= n:
             return plan
@@ -87,40 +87,45 @@ class ChunkIndex:
         # First chunk that ends past the engine's prefix (it may straddle the prefix end).
         c0 = int(np.searchsorted(bounds, epl, side="right")) - 1
         bl = bounds[c0:].tolist()
-        prefix = chunks.prefix_digests[c0:].tolist()
         reg = self.registry
+        scope = q.scope
         cands = reg.get_many(chunks.fingerprints[0, c0:].tolist())
-        shared = reg.get_many(chunks.fingerprints[1, c0:].tolist()) if len(scopes) > 1 else None
+        if len(scopes) > 1:
+            shared = reg.get_many(chunks.fingerprints[1, c0:].tolist())
+            cands = [o if o is not None else s for o, s in zip(cands, shared)]
+        summary.chunks_total = len(cands)
+        # Only candidate hits are visited; the gaps between them become PREFILL rows.
+        idx = [j for j, e in enumerate(cands) if e is not None]
+        prefix = chunks.prefix_digests[c0:].tolist() if idx else ()
 
         data = q.data
         exact_only = q.policy is AdmissionPolicy.EXACT
         window = q.left_context_window
         k = q.recompute_tokens
-        dry = q.dry_run
-        hit_tokens_exact = hit_tokens_shifted = chunks_hit = 0
+        serve_observed = q.dry_run
+        resident = EntryState.RESIDENT
+        rows = plan.rows
+        pos = epl
+        exact_tokens = shifted_tokens = hits = 0
         touched: list[ChunkEntry] = []
-        for j, entry in enumerate(cands):
+        for j in idx:
+            entry = cands[j]
+            if (entry.scope != scope and entry.scope != SHARED_SCOPE) or (
+                not serve_observed and entry.state is not resident
+            ):
+                continue
             a = bl[j]
             b = bl[j + 1]
+            if entry.tokens != data[4 * a : 4 * b]:
+                reg.stats.verify_failures += 1
+                continue
             seg = a if a > epl else epl
-            if entry is None or entry.scope != q.scope:
-                entry = shared[j] if shared is not None else None
-                if entry is not None and entry.scope != SHARED_SCOPE:
-                    entry = None
-            if entry is None or (not dry and entry.state is not EntryState.RESIDENT):
-                plan.add(_PREFILL, seg, b)
-                continue
-            if not reg.verify(entry, data[4 * a : 4 * b]):
-                plan.add(_PREFILL, seg, b)
-                continue
             src = entry.source_pos
             exact = src == a and entry.prefix_digest == prefix[j]
             if not exact:
                 if exact_only:
-                    plan.add(_PREFILL, seg, b)
                     continue
                 if window and data[4 * max(0, a - window) : 4 * a] != entry.left_context[-4 * window :]:
-                    plan.add(_PREFILL, seg, b)
                     continue
                 # Carve-out: positions below 32 are never served from a shifted chunk; the first
                 # k tokens of a shifted chunk are re-prefilled (boundary repair).
@@ -129,26 +134,29 @@ class ChunkIndex:
                     lo = CARVE_OUT_TOKENS
                 if lo > seg:
                     if lo >= b:
-                        plan.add(_PREFILL, seg, b)
                         continue
-                    plan.add(_PREFILL, seg, lo)
                     seg = lo
+            if seg > pos:
+                rows.append((_PREFILL, pos, seg, 0, 0, 0, 0, 0))
             off = seg - a
-            plan.add(_HIT, seg, b, entry.key, off, src + off, a - src, _EXACT if exact else _APPROX)
-            chunks_hit += 1
             if exact:
-                hit_tokens_exact += b - seg
+                rows.append((_HIT, seg, b, entry.key, off, src + off, 0, _EXACT))
+                exact_tokens += b - seg
             else:
-                hit_tokens_shifted += b - seg
-            if not dry:
+                rows.append((_HIT, seg, b, entry.key, off, src + off, a - src, _APPROX))
+                shifted_tokens += b - seg
+            pos = b
+            hits += 1
+            if not serve_observed:
                 touched.append(entry)
+        if pos < n:
+            rows.append((_PREFILL, pos, n, 0, 0, 0, 0, 0))
         for entry in touched:
             reg.touch(entry)
-        summary.chunks_total = len(cands)
-        summary.chunks_hit = chunks_hit
-        summary.exact_tokens = hit_tokens_exact
-        summary.shifted_tokens = hit_tokens_shifted
-        summary.prefill_tokens = n - epl - hit_tokens_exact - hit_tokens_shifted
+        summary.chunks_hit = hits
+        summary.exact_tokens = exact_tokens
+        summary.shifted_tokens = shifted_tokens
+        summary.prefill_tokens = n - epl - exact_tokens - shifted_tokens
         return plan
 
     # ----------------------------------------------------------------------------- register

@@ -68,48 +68,32 @@ class LookupSummary:
         return self.prefix_tokens + self.exact_tokens + self.shifted_tokens
 
 
+#: One segment as a row: (kind, start, end, chunk_hash, chunk_offset, source_pos, delta, fidelity).
+SegmentRow = tuple[int, int, int, int, int, int, int, int]
+COLUMNS = ("kind", "start", "end", "chunk_hash", "chunk_offset", "source_pos", "delta", "fidelity")
+
+
 @dataclass(slots=True)
 class LookupPlan:
-    """Column-wise segments plus summary counts. ``kind[i]`` .. ``fidelity[i]`` is segment i."""
+    """Segments as plain tuples (``SegmentRow``, cheap to build per chunk) plus summary counts.
 
-    kind: list[int] = field(default_factory=list)
-    start: list[int] = field(default_factory=list)
-    end: list[int] = field(default_factory=list)
-    chunk_hash: list[int] = field(default_factory=list)
-    chunk_offset: list[int] = field(default_factory=list)
-    source_pos: list[int] = field(default_factory=list)
-    delta: list[int] = field(default_factory=list)
-    fidelity: list[int] = field(default_factory=list)
+    ``columns()`` transposes them into the wire's parallel arrays; ``segments`` gives typed rows.
+    """
+
+    rows: list[SegmentRow] = field(default_factory=list)
     summary: LookupSummary = field(default_factory=LookupSummary)
     dry_run: bool = False
 
     def __len__(self) -> int:
-        return len(self.kind)
+        return len(self.rows)
 
-    def add(self, kind: int, start: int, end: int, chunk_hash: int = 0, chunk_offset: int = 0,
-            source_pos: int = 0, delta: int = 0, fidelity: int = 0) -> None:
-        # Adjacent PREFILL / ENGINE_PREFIX segments merge; chunk hits stay one per chunk.
-        if kind != SegmentKind.CHUNK_HIT and self.kind and self.kind[-1] == kind and self.end[-1] == start:
-            self.end[-1] = end
-            return
-        self.kind.append(kind)
-        self.start.append(start)
-        self.end.append(end)
-        self.chunk_hash.append(chunk_hash)
-        self.chunk_offset.append(chunk_offset)
-        self.source_pos.append(source_pos)
-        self.delta.append(delta)
-        self.fidelity.append(fidelity)
+    def columns(self) -> list[tuple[int, ...]]:
+        """Eight parallel tuples in ``COLUMNS`` order (empty tuples for an empty plan)."""
+        return list(zip(*self.rows)) if self.rows else [()] * len(COLUMNS)
 
     @property
     def segments(self) -> list[Segment]:
-        return [
-            Segment(SegmentKind(k), s, e, h, o, p, d, Fidelity(f))
-            for k, s, e, h, o, p, d, f in zip(
-                self.kind, self.start, self.end, self.chunk_hash, self.chunk_offset,
-                self.source_pos, self.delta, self.fidelity,
-            )
-        ]
+        return [Segment(SegmentKind(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], Fidelity(r[7])) for r in self.rows]
 
     def hits(self) -> list[Segment]:
         return [s for s in self.segments if s.kind is SegmentKind.CHUNK_HIT]
@@ -117,7 +101,7 @@ class LookupPlan:
     def check_tiling(self, n: int) -> None:
         """Raise AssertionError unless the segments tile [0, n) in order."""
         pos = 0
-        for s, e in zip(self.start, self.end):
-            assert s == pos and e > s, f"plan segments do not tile: segment [{s}, {e}) after position {pos}"
-            pos = e
+        for r in self.rows:
+            assert r[1] == pos and r[2] > r[1], f"plan segments do not tile: segment [{r[1]}, {r[2]}) after position {pos}"
+            pos = r[2]
         assert pos == n, f"plan segments end at {pos}, prompt has {n} tokens"

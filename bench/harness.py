@@ -1,0 +1,76 @@
+"""Benchmark plumbing shared by bench/*: a sidecar in its own process, timing, results files."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@contextmanager
+def sidecar_process(*flags: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """Run ``kv-sidecar serve`` in a child process (its own interpreter and GIL, as deployed);
+    yields the gRPC target. Extra settings go in as ``--set key=value`` flags. The port is read
+    from the INFO start-up line, so the log level stays at INFO."""
+    cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--metrics-port", "-1", "--log-level", "INFO",
+           *flags]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            line = proc.stderr.readline()
+            if not line and proc.poll() is not None:
+                raise RuntimeError(f"sidecar exited with {proc.returncode}")
+            m = re.search(r"serving \S+ on ([\d.]+):(\d+)", line)
+            if m:
+                break
+        else:
+            raise RuntimeError("sidecar did not start within 120 s")
+        yield f"{m.group(1)}:{m.group(2)}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def time_calls(fn: Callable[[], Any], n: int, warmup: int = 50) -> np.ndarray:
+    """Wall time of ``n`` calls of ``fn`` in seconds (after ``warmup`` calls)."""
+    for _ in range(warmup):
+        fn()
+    out = np.empty(n)
+    clock = time.perf_counter
+    for i in range(n):
+        t0 = clock()
+        fn()
+        out[i] = clock() - t0
+    return out
+
+
+def pct(samples: np.ndarray, q: float) -> float:
+    return float(np.percentile(samples, q))
+
+
+def write_results(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def machine() -> dict[str, Any]:
+    import platform
+
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine()}

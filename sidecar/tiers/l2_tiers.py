@@ -1,0 +1,458 @@
+"""Object tiers on LMCache L2 adapters: local disk (``fs_native``) and remote RESP (Redis).
+
+LMCache's L2 adapters are non-blocking (submit a task, poll an eventfd, pop the result).
+``L2Driver`` turns one adapter into blocking batch calls with timeouts: a dispatcher thread
+polls the adapter's eventfds and wakes waiters; buffers of a task that timed out stay referenced
+until the adapter reports it, so a late completion never writes into freed memory.
+
+Objects are stored under ``ObjectKey(chunk_hash=key, model_name=namespace, kv_rank=0)``:
+``object_group_id`` 0 is the stored object (header + payload); on the remote tier group 1 holds
+a copy of the 4 KiB header, so a sidecar that never saw a chunk can size its load (the RESP
+client needs the exact size and fails a GET into a differently sized buffer).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
+from lmcache.v1.distributed.l2_adapters.fs_native_l2_adapter import FSNativeL2AdapterConfig
+from lmcache.v1.distributed.l2_adapters.resp_l2_adapter import RESPL2AdapterConfig
+from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+from lmcache.v1.platform.event_notifier import consume_fd
+
+from sidecar.tiers.config import RemoteEndpoint
+from sidecar.tiers.envelope import HEADER_NBYTES, CorruptChunkError, parse_header
+from sidecar.tiers.types import ChunkKey, ChunkMeta, Tier
+
+logger = logging.getLogger(__name__)
+
+_BODY = 0
+_HEADER = 1
+
+
+def wrap_host_buffer(buf: torch.Tensor) -> TensorMemoryObj:
+    """An LMCache ``MemoryObj`` over a contiguous 1-D uint8 CPU tensor (no copy, no allocator)."""
+    assert buf.device.type == "cpu" and buf.dtype == torch.uint8 and buf.is_contiguous(), (
+        "L2 adapters read and write host memory only; stage device data through the CPU first"
+    )
+    meta = MemoryObjMetadata(
+        shape=buf.shape,
+        dtype=torch.uint8,
+        address=0,
+        phy_size=buf.numel(),
+        ref_count=1,
+        fmt=MemoryFormat.BINARY_BUFFER,
+    )
+    return TensorMemoryObj(buf, meta, None)
+
+
+class L2Driver:
+    """Blocking, thread-safe batch calls over one LMCache L2 adapter."""
+
+    def __init__(self, adapter: L2AdapterInterface, name: str) -> None:
+        self._adapter = adapter
+        self._cv = threading.Condition()
+        self._stores: dict[int, bool] = {}
+        self._loads: dict[int, list[bool]] = {}
+        self._lookups: dict[int, list[bool]] = {}
+        self._pending_stores: set[int] = set()
+        self._pending_loads: dict[int, int] = {}
+        self._pending_lookups: dict[int, list[ObjectKey]] = {}
+        self._keepalive: dict[tuple[str, int], object] = {}
+        self._abandoned: set[tuple[str, int]] = set()
+        self._closed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kv-sidecar-{name}-io", daemon=True)
+        self._thread.start()
+
+    # -- dispatcher ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = select.poll()
+        fds = (
+            self._adapter.get_store_event_fd(),
+            self._adapter.get_load_event_fd(),
+            self._adapter.get_lookup_and_lock_event_fd(),
+        )
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        while not self._stop.is_set():
+            # The timeout bounds the damage of a missed wake-up; results are re-polled anyway.
+            for fd, _ in poller.poll(50):
+                consume_fd(fd)
+            try:
+                self._collect()
+            except Exception:  # the adapter is closing or broken: waiters time out
+                logger.exception("L2 dispatcher failed to collect completions")
+
+    def _collect(self) -> None:
+        stores = self._adapter.pop_completed_store_tasks()
+        with self._cv:
+            loads = dict(self._pending_loads)
+            lookups = dict(self._pending_lookups)
+        done_loads = {}
+        for tid, n in loads.items():
+            bm = self._adapter.query_load_result(tid)
+            if bm is not None:
+                done_loads[tid] = [bm.test(i) for i in range(n)]
+        done_lookups = {}
+        for tid, keys in lookups.items():
+            bm = self._adapter.query_lookup_and_lock_result(tid)
+            if bm is not None:
+                found = [bm.test(i) for i in range(len(keys))]
+                # The native adapter "locks" found keys with a client-side refcount; release them
+                # at once, the store has its own readers.
+                self._adapter.submit_unlock([k for k, f in zip(keys, found) if f])
+                done_lookups[tid] = found
+        if not (stores or done_loads or done_lookups):
+            return
+        with self._cv:
+            self._pending_stores.difference_update(stores)
+            for tid in done_loads:
+                del self._pending_loads[tid]
+            for tid in done_lookups:
+                del self._pending_lookups[tid]
+            store_ok = {tid: bool(r.is_successful()) for tid, r in stores.items()}
+            for kind, results, target in (
+                ("store", store_ok, self._stores),
+                ("load", done_loads, self._loads),
+                ("lookup", done_lookups, self._lookups),
+            ):
+                for tid, result in results.items():
+                    self._keepalive.pop((kind, tid), None)
+                    if (kind, tid) in self._abandoned:
+                        self._abandoned.discard((kind, tid))
+                    else:
+                        target[tid] = result
+            self._cv.notify_all()
+
+    def _fail_pending(self) -> None:
+        """Resolve every in-flight task as failed (the adapter is being abandoned)."""
+        with self._cv:
+            for tid in self._pending_stores:
+                self._stores[tid] = False
+            for tid, n in self._pending_loads.items():
+                self._loads[tid] = [False] * n
+            for tid in self._pending_lookups:
+                self._lookups[tid] = None
+            self._pending_stores.clear()
+            self._pending_loads.clear()
+            self._pending_lookups.clear()
+            self._closed = True
+            self._cv.notify_all()
+
+    def _wait(self, kind: str, tid: int, results: dict, timeout: float):
+        with self._cv:
+            if self._closed and tid not in results:
+                return None
+            if not self._cv.wait_for(lambda: tid in results, timeout=timeout):
+                self._abandoned.add((kind, tid))
+                return None
+            return results.pop(tid)
+
+    # -- blocking calls -------------------------------------------------------------------------
+
+    def store(self, keys: Sequence[ObjectKey], bufs: Sequence[torch.Tensor], timeout: float) -> bool:
+        """Write every buffer (one task; success is all-or-nothing as LMCache reports it)."""
+        objs = [wrap_host_buffer(b) for b in bufs]
+        with self._cv:
+            if self._closed:
+                return False
+            tid = self._adapter.submit_store_task(list(keys), objs)
+            self._pending_stores.add(tid)
+            self._keepalive[("store", tid)] = objs
+        ok = self._wait("store", tid, self._stores, timeout)
+        return bool(ok)
+
+    def load(self, keys: Sequence[ObjectKey], bufs: Sequence[torch.Tensor], timeout: float) -> list[bool]:
+        """Read each key into its buffer (sizes must match exactly); per-key success."""
+        if not keys:
+            return []
+        objs = [wrap_host_buffer(b) for b in bufs]
+        with self._cv:
+            if self._closed:
+                return [False] * len(keys)
+            tid = self._adapter.submit_load_task(list(keys), objs)
+            self._pending_loads[tid] = len(keys)
+            self._keepalive[("load", tid)] = objs
+        result = self._wait("load", tid, self._loads, timeout)
+        return result if result is not None else [False] * len(keys)
+
+    def exists(self, keys: Sequence[ObjectKey], timeout: float) -> list[bool] | None:
+        """Per-key existence; ``None`` when the backend did not answer in time."""
+        if not keys:
+            return []
+        with self._cv:
+            if self._closed:
+                return None
+            tid = self._adapter.submit_lookup_and_lock_task(list(keys), {})
+            self._pending_lookups[tid] = list(keys)
+        return self._wait("lookup", tid, self._lookups, timeout)
+
+    def delete(self, keys: Sequence[ObjectKey]) -> None:
+        """Best-effort delete (the adapter blocks up to 30 s itself)."""
+        if keys:
+            self._adapter.delete(list(keys))
+
+    def close(self, timeout: float) -> bool:
+        """Stop the dispatcher and close the adapter; never blocks past ``timeout``. Waiters of
+        tasks still in flight return as failed at once."""
+        self._stop.set()
+        self._thread.join(timeout)
+        self._fail_pending()
+        closer = threading.Thread(target=self._adapter.close, name="kv-sidecar-l2-close", daemon=True)
+        closer.start()
+        closer.join(timeout)
+        if closer.is_alive():
+            logger.warning("L2 adapter %s did not close within %.1f s; abandoned", type(self._adapter).__name__, timeout)
+            return False
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class DiskFile:
+    """A stored object found on disk at startup (header verified, payload not yet)."""
+
+    meta: ChunkMeta
+    nbytes: int
+    mtime_ns: int
+    path: Path
+
+
+class DiskTier:
+    """Local disk tier on LMCache's ``fs_native`` adapter (C++ workers, write to ``.tmp`` then
+    rename, one ``<namespace>@0x<rank>@<group>@<hex key>.data`` file per object).
+
+    ``fs_native`` keeps no index and cannot list its keys, so a restart is served by
+    ``scan()``: it reads every file's header (the metadata is stored in the object), drops
+    stale ``.tmp`` files and corrupt/truncated objects, and returns what is there. One store owns
+    a directory: an ``flock`` on ``<path>/.kv-sidecar.lock`` refuses a second one.
+    """
+
+    tier = Tier.DISK
+
+    def __init__(self, *, path: str, capacity_bytes: int, namespace: str, workers: int, timeout_s: float) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._namespace = namespace
+        self._timeout = timeout_s
+        self._mtime_lock = threading.Lock()
+        self._last_mtime_ns = 0
+        self._lock_fd = os.open(self.path / ".kv-sidecar.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise ValueError(f"store.disk_path {path!r} is in use by another store") from None
+        adapter = create_l2_adapter(FSNativeL2AdapterConfig(base_path=str(self.path), num_workers=workers), None)
+        self._io = L2Driver(adapter, "disk")
+
+    def _okey(self, key: ChunkKey) -> ObjectKey:
+        return ObjectKey(chunk_hash=key, model_name=self._namespace, kv_rank=0)
+
+    def footprint(self, nbytes: int) -> int:
+        return nbytes
+
+    def path_of(self, key: ChunkKey) -> Path:
+        """The file LMCache's fs connector writes for ``key`` (its naming, mirrored here)."""
+        return self.path / f"{self._namespace}@0x{0:08x}@{_BODY:x}@{key.hex()}.data"
+
+    def store(self, key: ChunkKey, obj: torch.Tensor) -> bool:
+        if not self._io.store([self._okey(key)], [obj], self._timeout):
+            return False
+        # File times are kernel-tick coarse; stamp a strictly increasing mtime so a restart
+        # rebuilds the exact LRU order (writes are demotions, i.e. recency order).
+        with self._mtime_lock:
+            self._last_mtime_ns = stamp = max(time.time_ns(), self._last_mtime_ns + 1)
+        try:
+            os.utime(self.path_of(key), ns=(stamp, stamp))
+        except OSError:
+            pass  # recency is a hint; the object is stored
+        return True
+
+    def load_many(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[torch.Tensor | None]:
+        bufs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        ok = self._io.load([self._okey(k) for k in keys], bufs, self._timeout)
+        return [b if good else None for b, good in zip(bufs, ok)]
+
+    def remove(self, keys: Sequence[ChunkKey]) -> None:
+        self._io.delete([self._okey(k) for k in keys])
+        for key in keys:  # the connector's delete is best-effort; make sure the bytes are gone
+            self.path_of(key).unlink(missing_ok=True)
+
+    def scan(self) -> tuple[list[DiskFile], int]:
+        """Objects on disk (oldest first) and the number of corrupt files removed."""
+        found: list[DiskFile] = []
+        corrupt = 0
+        prefix = f"{self._namespace}@"
+        with os.scandir(self.path) as it:
+            entries = [e for e in it if e.is_file() and e.name.startswith(prefix)]
+        for entry in entries:
+            if entry.name.endswith(".tmp"):
+                Path(entry.path).unlink(missing_ok=True)  # a write interrupted before its rename
+                continue
+            if not entry.name.endswith(".data"):
+                continue
+            st = entry.stat()
+            try:
+                with open(entry.path, "rb") as f:
+                    meta = parse_header(f.read(HEADER_NBYTES))
+                if st.st_size != HEADER_NBYTES + meta.payload_nbytes:
+                    raise CorruptChunkError(f"size {st.st_size} != {HEADER_NBYTES + meta.payload_nbytes}")
+            except (CorruptChunkError, OSError) as exc:
+                logger.warning("removing corrupt disk object %s: %s", entry.name, exc)
+                Path(entry.path).unlink(missing_ok=True)
+                corrupt += 1
+                continue
+            if self.path_of(meta.key) != Path(entry.path):
+                logger.warning("ignoring disk object %s: its header names key %s", entry.name, meta.key.hex())
+                continue
+            found.append(DiskFile(meta=meta, nbytes=st.st_size, mtime_ns=st.st_mtime_ns, path=Path(entry.path)))
+        found.sort(key=lambda f: f.mtime_ns)
+        if found:
+            self._last_mtime_ns = found[-1].mtime_ns
+        return found, corrupt
+
+    def close(self, timeout: float) -> bool:
+        ok = self._io.close(timeout)
+        os.close(self._lock_fd)
+        return ok
+
+
+class RemoteTier:
+    """Remote tier on LMCache's ``resp`` adapter (native C++ RESP client) over Redis/Valkey.
+
+    Shared by every sidecar pointed at the same server: a chunk is stored as the object plus a
+    header copy, so any sidecar can fetch it by key alone. Redis may evict on its own
+    (maxmemory); such a chunk is simply a miss.
+
+    LMCache 0.5.6's RESP client loses protocol sync on any failed GET: a GET of a missing key
+    closes the connection for good ("socket recv failed", then "writev failed" forever) and a
+    GET into a buffer of the wrong size leaves the reply stream shifted, so later GET/DEL/EXISTS
+    read each other's replies. Hence: every GET is preceded by a batched EXISTS and uses the
+    exact size (from the index or the fixed-size header copy), and any failed or unanswered
+    call replaces the adapter with a fresh connection before the next use.
+    """
+
+    tier = Tier.REMOTE
+
+    def __init__(self, *, url: str, capacity_bytes: int, namespace: str, workers: int, timeout_s: float) -> None:
+        self._endpoint = RemoteEndpoint.parse(url)
+        self._workers = workers
+        self.capacity_bytes = capacity_bytes
+        self._namespace = namespace
+        self._timeout = timeout_s
+        self._io_lock = threading.Lock()
+        self._io = self._connect()
+        self.reconnects = 0
+
+    def _connect(self) -> L2Driver:
+        ep = self._endpoint
+        adapter = create_l2_adapter(
+            RESPL2AdapterConfig(
+                host=ep.host, port=ep.port, num_workers=self._workers, username=ep.username, password=ep.password
+            ),
+            None,
+        )
+        return L2Driver(adapter, "remote")
+
+    def _reconnect(self, bad: L2Driver) -> None:
+        with self._io_lock:
+            if self._io is not bad:
+                return  # another caller already replaced it
+            self._io = self._connect()
+            self.reconnects += 1
+        logger.warning("remote tier: RESP connection out of sync or down; reconnected")
+        threading.Thread(target=bad.close, args=(self._timeout,), name="kv-sidecar-resp-close", daemon=True).start()
+
+    def _okey(self, key: ChunkKey, group: int = _BODY) -> ObjectKey:
+        return ObjectKey(chunk_hash=key, model_name=self._namespace, kv_rank=0, object_group_id=group)
+
+    def footprint(self, nbytes: int) -> int:
+        return nbytes
+
+    def store(self, key: ChunkKey, obj: torch.Tensor) -> bool:
+        io = self._io
+        # Body first, then the header copy: a reader that finds the header finds the body.
+        ok = io.store([self._okey(key)], [obj], self._timeout) and io.store(
+            [self._okey(key, _HEADER)], [obj[:HEADER_NBYTES].clone()], self._timeout
+        )
+        if not ok:
+            self._reconnect(io)
+        return ok
+
+    def _get(self, okeys: list[ObjectKey], sizes: Sequence[int]) -> list[torch.Tensor | None]:
+        """EXISTS, then GET of the present keys only, into buffers of exactly ``sizes``."""
+        if not okeys:
+            return []
+        io = self._io
+        present = io.exists(okeys, self._timeout)
+        if present is None:
+            self._reconnect(io)
+            return [None] * len(okeys)
+        wanted = [i for i, p in enumerate(present) if p]
+        bufs = {i: torch.empty(sizes[i], dtype=torch.uint8) for i in wanted}
+        ok = io.load([okeys[i] for i in wanted], [bufs[i] for i in wanted], self._timeout)
+        if not all(ok):
+            self._reconnect(io)  # vanished between EXISTS and GET, or a size mismatch
+        out: list[torch.Tensor | None] = [None] * len(okeys)
+        for i, good in zip(wanted, ok):
+            if good:
+                out[i] = bufs[i]
+        return out
+
+    def load_many(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[torch.Tensor | None]:
+        return self._get([self._okey(k) for k in keys], sizes)
+
+    def load_headers(self, keys: Sequence[ChunkKey]) -> list[ChunkMeta | None]:
+        """Metadata of chunks this store has no record of (written by another sidecar)."""
+        bufs = self._get([self._okey(k, _HEADER) for k in keys], [HEADER_NBYTES] * len(keys))
+        out: list[ChunkMeta | None] = []
+        for key, buf in zip(keys, bufs):
+            meta = None
+            if buf is not None:
+                try:
+                    meta = parse_header(buf)
+                except CorruptChunkError as exc:
+                    logger.warning("corrupt remote header for %s: %s", key.hex(), exc)
+                if meta is not None and meta.key != key:
+                    meta = None
+            out.append(meta)
+        return out
+
+    def suspect(self) -> None:
+        """A read returned bytes that failed verification: resync the connection."""
+        self._reconnect(self._io)
+
+    def remove(self, keys: Sequence[ChunkKey]) -> bool:
+        """Delete objects and header copies; True when the server no longer has them
+        (checked with EXISTS: LMCache's client also misreports DEL on a desynced connection)."""
+        okeys = [self._okey(k, g) for k in keys for g in (_BODY, _HEADER)]
+        io = self._io
+        io.delete(okeys)
+        left = io.exists(okeys, self._timeout)
+        if left is None or any(left):
+            self._reconnect(io)
+            io = self._io
+            io.delete(okeys)
+            left = io.exists(okeys, self._timeout)
+        return left is not None and not any(left)
+
+    def close(self, timeout: float) -> bool:
+        with self._io_lock:
+            io = self._io
+        return io.close(timeout)
