@@ -13,7 +13,7 @@ import numpy as np
 
 from sidecar.errors import InvalidArgument
 from sidecar.identity import CacheIdentity
-from sidecar.registry.plan import AdmissionPolicy, LookupPlan, LookupSummary
+from sidecar.registry.plan import SEGMENT_FIELDS, AdmissionPolicy, LookupPlan, LookupSummary
 from sidecar.v1 import sidecar_pb2 as pb
 
 POLICY_FROM_WIRE = {
@@ -107,17 +107,11 @@ def policy_from_wire(value: int, default: AdmissionPolicy) -> AdmissionPolicy:
 
 
 def plan_to_wire(plan: LookupPlan) -> pb.LookupPlan:
-    msg = pb.LookupPlan(dry_run=plan.dry_run)
-    if plan.rows:
-        kind, start, end, chunk_hash, chunk_offset, source_pos, delta, fidelity = plan.columns()
-        msg.kind.extend(kind)
-        msg.start.extend(start)
-        msg.end.extend(end)
-        msg.chunk_hash.extend(chunk_hash)
-        msg.chunk_offset.extend(chunk_offset)
-        msg.source_pos.extend(source_pos)
-        msg.delta.extend(delta)
-        msg.fidelity.extend(fidelity)
+    msg = pb.LookupPlan(
+        segments=plan.table.astype("<u8", copy=False).tobytes(),
+        dry_run=plan.dry_run,
+        chunk_bounds=plan.chunk_bounds.astype("<u4", copy=False).tobytes(),
+    )
     s = plan.summary
     ms = msg.summary
     ms.total_tokens = s.total_tokens
@@ -130,17 +124,20 @@ def plan_to_wire(plan: LookupPlan) -> pb.LookupPlan:
     return msg
 
 
+_RECORD = 8 * SEGMENT_FIELDS
+
+
 def plan_from_wire(msg: pb.LookupPlan) -> LookupPlan:
     s = msg.summary
-    cols = (msg.kind, msg.start, msg.end, msg.chunk_hash, msg.chunk_offset, msg.source_pos, msg.delta, msg.fidelity)
-    if len({len(c) for c in cols}) != 1:
-        raise ValueError("LookupPlan: segment columns have different lengths")
+    if len(msg.segments) % _RECORD or len(msg.chunk_bounds) % 4:
+        raise ValueError("LookupPlan: segments/chunk_bounds are not whole packed records")
     return LookupPlan(
-        rows=list(zip(*cols)),
+        table=np.frombuffer(msg.segments, dtype="<u8").reshape(-1, SEGMENT_FIELDS),
         summary=LookupSummary(
             total_tokens=s.total_tokens, prefix_tokens=s.prefix_tokens, exact_tokens=s.exact_tokens,
             shifted_tokens=s.shifted_tokens, prefill_tokens=s.prefill_tokens, chunks_total=s.chunks_total,
             chunks_hit=s.chunks_hit,
         ),
         dry_run=msg.dry_run,
+        chunk_bounds=np.frombuffer(msg.chunk_bounds, dtype="<u4"),
     )

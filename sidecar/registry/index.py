@@ -23,11 +23,19 @@ import numpy as np
 
 from sidecar.identity import SHARED_SCOPE, CacheIdentity
 from sidecar.registry.chunker import ChunkerConfig, Chunks, chunk_tokens
-from sidecar.registry.plan import CARVE_OUT_TOKENS, AdmissionPolicy, Fidelity, LookupPlan, SegmentKind
+from sidecar.registry.plan import (
+    CARVE_OUT_TOKENS,
+    AdmissionPolicy,
+    Fidelity,
+    LookupPlan,
+    LookupSummary,
+    SegmentKind,
+)
 from sidecar.registry.registry import ChunkEntry, ChunkHash, EntryState, InMemoryRegistry
 
 _HIT = int(SegmentKind.CHUNK_HIT)
 _PREFILL = int(SegmentKind.PREFILL)
+_PREFIX = int(SegmentKind.ENGINE_PREFIX)
 _EXACT = int(Fidelity.EXACT)
 _APPROX = int(Fidelity.APPROXIMATE)
 
@@ -72,22 +80,22 @@ class ChunkIndex:
     def lookup(self, q: LookupQuery) -> LookupPlan:
         n = len(q.tokens)
         epl = q.engine_prefix_len
-        scopes = (q.scope,) if q.scope == SHARED_SCOPE else (q.scope, SHARED_SCOPE)
+        reg = self.registry
+        search_shared = q.scope != SHARED_SCOPE and reg.scope_entries(SHARED_SCOPE) > 0
+        scopes = (q.scope, SHARED_SCOPE) if search_shared else (q.scope,)
         chunks = self.chunk(q.tokens, q.identity, scopes)
         bounds = chunks.bounds
-        plan = LookupPlan(dry_run=q.dry_run)
-        summary = plan.summary
-        summary.total_tokens = n
+        summary = LookupSummary(total_tokens=n)
+        rows: list[int] = []  # flat 7-field records (plan.SEG_*)
         if epl > 0:
-            plan.rows.append((int(SegmentKind.ENGINE_PREFIX), 0, epl, 0, 0, 0, 0, 0))
+            rows += (_PREFIX, 0, epl, 0, 0, 0, 0)
             summary.prefix_tokens = epl
         if epl >= n:
-            return plan
+            return LookupPlan.from_flat(rows, summary=summary, dry_run=q.dry_run)
 
         # First chunk that ends past the engine's prefix (it may straddle the prefix end).
         c0 = int(np.searchsorted(bounds, epl, side="right")) - 1
         bl = bounds[c0:].tolist()
-        reg = self.registry
         scope = q.scope
         cands = reg.get_many(chunks.fingerprints[0, c0:].tolist())
         if len(scopes) > 1:
@@ -104,7 +112,6 @@ class ChunkIndex:
         k = q.recompute_tokens
         serve_observed = q.dry_run
         resident = EntryState.RESIDENT
-        rows = plan.rows
         pos = epl
         exact_tokens = shifted_tokens = hits = 0
         touched: list[ChunkEntry] = []
@@ -137,27 +144,29 @@ class ChunkIndex:
                         continue
                     seg = lo
             if seg > pos:
-                rows.append((_PREFILL, pos, seg, 0, 0, 0, 0, 0))
+                rows += (_PREFILL, pos, seg, 0, 0, 0, 0)
             off = seg - a
             if exact:
-                rows.append((_HIT, seg, b, entry.key, off, src + off, 0, _EXACT))
+                rows += (_HIT, seg, b, entry.key, off, src + off, _EXACT)
                 exact_tokens += b - seg
             else:
-                rows.append((_HIT, seg, b, entry.key, off, src + off, a - src, _APPROX))
+                rows += (_HIT, seg, b, entry.key, off, src + off, _APPROX)
                 shifted_tokens += b - seg
             pos = b
             hits += 1
             if not serve_observed:
                 touched.append(entry)
         if pos < n:
-            rows.append((_PREFILL, pos, n, 0, 0, 0, 0, 0))
+            rows += (_PREFILL, pos, n, 0, 0, 0, 0)
         for entry in touched:
             reg.touch(entry)
         summary.chunks_hit = hits
         summary.exact_tokens = exact_tokens
         summary.shifted_tokens = shifted_tokens
         summary.prefill_tokens = n - epl - exact_tokens - shifted_tokens
-        return plan
+        return LookupPlan.from_flat(
+            rows, summary=summary, dry_run=q.dry_run, chunk_bounds=bounds[c0:].astype(np.uint32)
+        )
 
     # ----------------------------------------------------------------------------- register
 

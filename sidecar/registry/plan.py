@@ -6,15 +6,18 @@ A plan tiles the prompt ``[0, n)`` with segments, in order, without gaps or over
     | ENGINE_PREFIX | CHUNK_HIT h1 (delta -40) | PREFILL | CHUNK_HIT h2 (delta 0) |
                     ^ start                   ^ end
 
-Segments are kept column-wise (parallel lists, struct of arrays) because that is how they
-travel on the wire (packed repeated fields, one ``extend`` per column) and how an engine
-consumes them (index tensors); ``segments`` materialises row objects on demand.
+Segments are kept as one packed ``uint64`` table (a record of 7 fields per segment) because
+that is how they travel on the wire (bytes, like tokens: microseconds to encode and decode) and
+how an engine consumes them (index tensors); ``segments`` materialises row objects on demand.
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
+
+import numpy as np
 
 #: Positions below this are never served from a shifted chunk (attention sinks, Irminsul 7.1).
 CARVE_OUT_TOKENS = 32
@@ -68,32 +71,49 @@ class LookupSummary:
         return self.prefix_tokens + self.exact_tokens + self.shifted_tokens
 
 
-#: One segment as a row: (kind, start, end, chunk_hash, chunk_offset, source_pos, delta, fidelity).
-SegmentRow = tuple[int, int, int, int, int, int, int, int]
-COLUMNS = ("kind", "start", "end", "chunk_hash", "chunk_offset", "source_pos", "delta", "fidelity")
+#: Columns of the segment table (uint64 each; delta = start - source_pos).
+SEG_KIND, SEG_START, SEG_END, SEG_HASH, SEG_OFFSET, SEG_SOURCE, SEG_FIDELITY = range(7)
+SEGMENT_FIELDS = 7
+_EMPTY_TABLE = np.zeros((0, SEGMENT_FIELDS), dtype=np.uint64)
+_EMPTY_BOUNDS = np.zeros(0, dtype=np.uint32)
 
 
 @dataclass(slots=True)
 class LookupPlan:
-    """Segments as plain tuples (``SegmentRow``, cheap to build per chunk) plus summary counts.
+    """Segments as one ``uint64 [n_segments, 7]`` table (see ``SEG_*``) plus summary counts.
 
-    ``columns()`` transposes them into the wire's parallel arrays; ``segments`` gives typed rows.
+    The table is what travels on the wire (packed, like tokens) and what an engine turns into
+    index tensors; ``segments`` gives typed rows for readability. ``chunk_bounds`` (uint32) are
+    the chunk boundaries from the first chunk past the engine prefix to ``n``.
     """
 
-    rows: list[SegmentRow] = field(default_factory=list)
+    table: np.ndarray = field(default_factory=lambda: _EMPTY_TABLE)
     summary: LookupSummary = field(default_factory=LookupSummary)
     dry_run: bool = False
+    chunk_bounds: np.ndarray = field(default_factory=lambda: _EMPTY_BOUNDS)
+
+    @classmethod
+    def from_flat(cls, flat: list[int], **kwargs) -> "LookupPlan":
+        """Build from a flat list of 7-field records (how the planner emits them)."""
+        table = np.frombuffer(array("Q", flat), dtype=np.uint64).reshape(-1, SEGMENT_FIELDS) if flat else _EMPTY_TABLE
+        return cls(table=table, **kwargs)
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.table)
 
-    def columns(self) -> list[tuple[int, ...]]:
-        """Eight parallel tuples in ``COLUMNS`` order (empty tuples for an empty plan)."""
-        return list(zip(*self.rows)) if self.rows else [()] * len(COLUMNS)
+    @property
+    def deltas(self) -> np.ndarray:
+        """int64 rotation per segment (start - source_pos); 0 for non-hits."""
+        t = self.table.astype(np.int64)
+        return np.where(t[:, SEG_KIND] == SegmentKind.CHUNK_HIT, t[:, SEG_START] - t[:, SEG_SOURCE], 0)
 
     @property
     def segments(self) -> list[Segment]:
-        return [Segment(SegmentKind(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], Fidelity(r[7])) for r in self.rows]
+        out = []
+        for k, s, e, h, o, p, f in self.table.tolist():
+            hit = k == SegmentKind.CHUNK_HIT
+            out.append(Segment(SegmentKind(k), s, e, h, o, p, s - p if hit else 0, Fidelity(f)))
+        return out
 
     def hits(self) -> list[Segment]:
         return [s for s in self.segments if s.kind is SegmentKind.CHUNK_HIT]
@@ -101,7 +121,7 @@ class LookupPlan:
     def check_tiling(self, n: int) -> None:
         """Raise AssertionError unless the segments tile [0, n) in order."""
         pos = 0
-        for r in self.rows:
-            assert r[1] == pos and r[2] > r[1], f"plan segments do not tile: segment [{r[1]}, {r[2]}) after position {pos}"
-            pos = r[2]
+        for s, e in self.table[:, SEG_START : SEG_END + 1].tolist():
+            assert s == pos and e > s, f"plan segments do not tile: segment [{s}, {e}) after position {pos}"
+            pos = e
         assert pos == n, f"plan segments end at {pos}, prompt has {n} tokens"

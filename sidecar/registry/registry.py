@@ -97,6 +97,7 @@ class InMemoryRegistry:
         self._entries: OrderedDict[int, ChunkEntry] = OrderedDict()
         self._bytes = 0
         self._events: list[RegistryEvent] = []
+        self._scope_entries: dict[str, int] = {}
         self.stats = RegistryStats()
 
     def __len__(self) -> int:
@@ -108,6 +109,17 @@ class InMemoryRegistry:
     @property
     def nbytes(self) -> int:
         return self._bytes
+
+    def scope_entries(self, scope: str) -> int:
+        """Number of entries stored under ``scope`` (lets Lookup skip searching empty scopes)."""
+        return self._scope_entries.get(scope, 0)
+
+    def _count(self, scope: str, d: int) -> None:
+        n = self._scope_entries.get(scope, 0) + d
+        if n:
+            self._scope_entries[scope] = n
+        else:
+            self._scope_entries.pop(scope, None)
 
     def peek(self, key: int) -> ChunkEntry | None:
         """Entry for ``key`` without touching recency or hit counts."""
@@ -152,6 +164,7 @@ class InMemoryRegistry:
             return False
         self._entries[entry.key] = entry
         self._bytes += entry.nbytes
+        self._count(entry.scope, 1)
         self.stats.inserts += 1
         self._evict_to_capacity()
         return True
@@ -161,6 +174,7 @@ class InMemoryRegistry:
         if entry is None:
             return False
         self._bytes -= entry.nbytes
+        self._count(entry.scope, -1)
         self._events.append(RegistryEvent("evicted", entry.key, entry.scope, "deleted"))
         return True
 
@@ -170,6 +184,7 @@ class InMemoryRegistry:
             reason = "capacity_entries" if len(self._entries) > cfg.capacity_entries else "capacity_bytes"
             _, victim = self._entries.popitem(last=False)
             self._bytes -= victim.nbytes
+            self._count(victim.scope, -1)
             self.stats.evictions += 1
             self._events.append(RegistryEvent("evicted", victim.key, victim.scope, reason))
 

@@ -24,45 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18sidecar/v1/sidecar.proto\x12\nsidecar.v1\"\xa3\x01\n\rCacheIdentity\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0cweights_hash\x18\x02 \x01(\t\x12\x16\n\x0etokenizer_hash\x18\x03 \x01(\t\x12\x11\n\tkv_layout\x18\x04 \x01(\t\x12\x18\n\x10rope_fingerprint\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x11\n\tnamespace\x18\x07 \x01(\t\"\xdc\x01\n\rLookupRequest\x12\x0e\n\x06tokens\x18\x01 \x01(\x0c\x12+\n\x08identity\x18\x02 \x01(\x0b\x32\x19.sidecar.v1.CacheIdentity\x12\x19\n\x11\x65ngine_prefix_len\x18\x03 \x01(\r\x12+\n\x06policy\x18\x04 \x01(\x0e\x32\x1b.sidecar.v1.AdmissionPolicy\x12\x1b\n\x13left_context_window\x18\x05 \x01(\r\x12\x18\n\x10recompute_tokens\x18\x06 \x01(\r\x12\x0f\n\x07\x64ry_run\x18\x07 \x01(\x08\"\xac\x01\n\rLookupSummary\x12\x14\n\x0ctotal_tokens\x18\x01 \x01(\r\x12\x15\n\rprefix_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x65xact_tokens\x18\x03 \x01(\r\x12\x16\n\x0eshifted_tokens\x18\x04 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x05 \x01(\r\x12\x14\n\x0c\x63hunks_total\x18\x06 \x01(\r\x12\x12\n\nchunks_hit\x18\x07 \x01(\r\"\x81\x02\n\nLookupPlan\x12%\n\x04kind\x18\x01 \x03(\x0e\x32\x17.sidecar.v1.SegmentKind\x12\r\n\x05start\x18\x02 \x03(\r\x12\x0b\n\x03\x65nd\x18\x03 \x03(\r\x12\x12\n\nchunk_hash\x18\x04 \x03(\x06\x12\x14\n\x0c\x63hunk_offset\x18\x05 \x03(\r\x12\x12\n\nsource_pos\x18\x06 \x03(\r\x12\r\n\x05\x64\x65lta\x18\x07 \x03(\x12\x12&\n\x08\x66idelity\x18\x08 \x03(\x0e\x32\x14.sidecar.v1.Fidelity\x12*\n\x07summary\x18\t \x01(\x0b\x32\x19.sidecar.v1.LookupSummary\x12\x0f\n\x07\x64ry_run\x18\n \x01(\x08\"q\n\x0bStoreHeader\x12\x0e\n\x06tokens\x18\x01 \x01(\x0c\x12+\n\x08identity\x18\x02 \x01(\x0b\x32\x19.sidecar.v1.CacheIdentity\x12\x15\n\rregister_from\x18\x03 \x01(\r\x12\x0e\n\x06shared\x18\x04 \x01(\x08\">\n\x0bPayloadPart\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\"l\n\x0cStoreRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.sidecar.v1.StoreHeaderH\x00\x12*\n\x07payload\x18\x02 \x01(\x0b\x32\x17.sidecar.v1.PayloadPartH\x00\x42\x05\n\x03msg\"s\n\rStoreResponse\x12\x14\n\x0c\x63hunks_total\x18\x01 \x01(\r\x12\x19\n\x11\x63hunks_registered\x18\x02 \x01(\r\x12\x18\n\x10\x63hunks_refreshed\x18\x03 \x01(\r\x12\x17\n\x0f\x63hunks_observed\x18\x04 \x01(\r\"\x0e\n\x0cStatsRequest\"\x9b\x01\n\rRegistryStats\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x18\n\x10\x63\x61pacity_entries\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x11\n\tevictions\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x17\n\x0fverify_failures\x18\x07 \x01(\x04\"\x82\x02\n\rStatsResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12+\n\x08registry\x18\x02 \x01(\x0b\x32\x19.sidecar.v1.RegistryStats\x12\x0f\n\x07lookups\x18\x03 \x01(\x04\x12\x15\n\rlookup_tokens\x18\x04 \x01(\x04\x12\x1f\n\x17recovered_prefix_tokens\x18\x05 \x01(\x04\x12\x1e\n\x16recovered_exact_tokens\x18\x06 \x01(\x04\x12 \n\x18recovered_shifted_tokens\x18\x07 \x01(\x04\x12\x16\n\x0eprefill_tokens\x18\x08 \x01(\x04\x12\x10\n\x08uptime_s\x18\t \x01(\x01\"\r\n\x0bPingRequest\"\x0e\n\x0cPingResponse*z\n\x0f\x41\x64missionPolicy\x12 \n\x1c\x41\x44MISSION_POLICY_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x41\x44MISSION_POLICY_EXACT\x10\x01\x12)\n%ADMISSION_POLICY_POSITION_INDEPENDENT\x10\x02*\x81\x01\n\x0bSegmentKind\x12\x1c\n\x18SEGMENT_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aSEGMENT_KIND_ENGINE_PREFIX\x10\x01\x12\x1a\n\x16SEGMENT_KIND_CHUNK_HIT\x10\x02\x12\x18\n\x14SEGMENT_KIND_PREFILL\x10\x03*R\n\x08\x46idelity\x12\x18\n\x14\x46IDELITY_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x46IDELITY_EXACT\x10\x01\x12\x18\n\x14\x46IDELITY_APPROXIMATE\x10\x02\x32\x81\x02\n\tKVSidecar\x12;\n\x06Lookup\x12\x19.sidecar.v1.LookupRequest\x1a\x16.sidecar.v1.LookupPlan\x12>\n\x05Store\x12\x18.sidecar.v1.StoreRequest\x1a\x19.sidecar.v1.StoreResponse(\x01\x12<\n\x05Stats\x12\x18.sidecar.v1.StatsRequest\x1a\x19.sidecar.v1.StatsResponse\x12\x39\n\x04Ping\x12\x17.sidecar.v1.PingRequest\x1a\x18.sidecar.v1.PingResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18sidecar/v1/sidecar.proto\x12\nsidecar.v1\"\xa3\x01\n\rCacheIdentity\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0cweights_hash\x18\x02 \x01(\t\x12\x16\n\x0etokenizer_hash\x18\x03 \x01(\t\x12\x11\n\tkv_layout\x18\x04 \x01(\t\x12\x18\n\x10rope_fingerprint\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x11\n\tnamespace\x18\x07 \x01(\t\"\xdc\x01\n\rLookupRequest\x12\x0e\n\x06tokens\x18\x01 \x01(\x0c\x12+\n\x08identity\x18\x02 \x01(\x0b\x32\x19.sidecar.v1.CacheIdentity\x12\x19\n\x11\x65ngine_prefix_len\x18\x03 \x01(\r\x12+\n\x06policy\x18\x04 \x01(\x0e\x32\x1b.sidecar.v1.AdmissionPolicy\x12\x1b\n\x13left_context_window\x18\x05 \x01(\r\x12\x18\n\x10recompute_tokens\x18\x06 \x01(\r\x12\x0f\n\x07\x64ry_run\x18\x07 \x01(\x08\"\xac\x01\n\rLookupSummary\x12\x14\n\x0ctotal_tokens\x18\x01 \x01(\r\x12\x15\n\rprefix_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x65xact_tokens\x18\x03 \x01(\r\x12\x16\n\x0eshifted_tokens\x18\x04 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x05 \x01(\r\x12\x14\n\x0c\x63hunks_total\x18\x06 \x01(\r\x12\x12\n\nchunks_hit\x18\x07 \x01(\r\"q\n\nLookupPlan\x12\x10\n\x08segments\x18\x01 \x01(\x0c\x12*\n\x07summary\x18\x02 \x01(\x0b\x32\x19.sidecar.v1.LookupSummary\x12\x0f\n\x07\x64ry_run\x18\x03 \x01(\x08\x12\x14\n\x0c\x63hunk_bounds\x18\x04 \x01(\x0c\"q\n\x0bStoreHeader\x12\x0e\n\x06tokens\x18\x01 \x01(\x0c\x12+\n\x08identity\x18\x02 \x01(\x0b\x32\x19.sidecar.v1.CacheIdentity\x12\x15\n\rregister_from\x18\x03 \x01(\r\x12\x0e\n\x06shared\x18\x04 \x01(\x08\">\n\x0bPayloadPart\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\"l\n\x0cStoreRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.sidecar.v1.StoreHeaderH\x00\x12*\n\x07payload\x18\x02 \x01(\x0b\x32\x17.sidecar.v1.PayloadPartH\x00\x42\x05\n\x03msg\"s\n\rStoreResponse\x12\x14\n\x0c\x63hunks_total\x18\x01 \x01(\r\x12\x19\n\x11\x63hunks_registered\x18\x02 \x01(\r\x12\x18\n\x10\x63hunks_refreshed\x18\x03 \x01(\r\x12\x17\n\x0f\x63hunks_observed\x18\x04 \x01(\r\"\x0e\n\x0cStatsRequest\"\x9b\x01\n\rRegistryStats\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x18\n\x10\x63\x61pacity_entries\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x11\n\tevictions\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x17\n\x0fverify_failures\x18\x07 \x01(\x04\"\x82\x02\n\rStatsResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12+\n\x08registry\x18\x02 \x01(\x0b\x32\x19.sidecar.v1.RegistryStats\x12\x0f\n\x07lookups\x18\x03 \x01(\x04\x12\x15\n\rlookup_tokens\x18\x04 \x01(\x04\x12\x1f\n\x17recovered_prefix_tokens\x18\x05 \x01(\x04\x12\x1e\n\x16recovered_exact_tokens\x18\x06 \x01(\x04\x12 \n\x18recovered_shifted_tokens\x18\x07 \x01(\x04\x12\x16\n\x0eprefill_tokens\x18\x08 \x01(\x04\x12\x10\n\x08uptime_s\x18\t \x01(\x01\"\r\n\x0bPingRequest\"\x0e\n\x0cPingResponse*z\n\x0f\x41\x64missionPolicy\x12 \n\x1c\x41\x44MISSION_POLICY_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x41\x44MISSION_POLICY_EXACT\x10\x01\x12)\n%ADMISSION_POLICY_POSITION_INDEPENDENT\x10\x02*\x81\x01\n\x0bSegmentKind\x12\x1c\n\x18SEGMENT_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aSEGMENT_KIND_ENGINE_PREFIX\x10\x01\x12\x1a\n\x16SEGMENT_KIND_CHUNK_HIT\x10\x02\x12\x18\n\x14SEGMENT_KIND_PREFILL\x10\x03*R\n\x08\x46idelity\x12\x18\n\x14\x46IDELITY_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x46IDELITY_EXACT\x10\x01\x12\x18\n\x14\x46IDELITY_APPROXIMATE\x10\x02\x32\x81\x02\n\tKVSidecar\x12;\n\x06Lookup\x12\x19.sidecar.v1.LookupRequest\x1a\x16.sidecar.v1.LookupPlan\x12>\n\x05Store\x12\x18.sidecar.v1.StoreRequest\x1a\x19.sidecar.v1.StoreResponse(\x01\x12<\n\x05Stats\x12\x18.sidecar.v1.StatsRequest\x1a\x19.sidecar.v1.StatsResponse\x12\x39\n\x04Ping\x12\x17.sidecar.v1.PingRequest\x1a\x18.sidecar.v1.PingResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sidecar.v1.sidecar_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ADMISSIONPOLICY']._serialized_start=1736
-  _globals['_ADMISSIONPOLICY']._serialized_end=1858
-  _globals['_SEGMENTKIND']._serialized_start=1861
-  _globals['_SEGMENTKIND']._serialized_end=1990
-  _globals['_FIDELITY']._serialized_start=1992
-  _globals['_FIDELITY']._serialized_end=2074
+  _globals['_ADMISSIONPOLICY']._serialized_start=1591
+  _globals['_ADMISSIONPOLICY']._serialized_end=1713
+  _globals['_SEGMENTKIND']._serialized_start=1716
+  _globals['_SEGMENTKIND']._serialized_end=1845
+  _globals['_FIDELITY']._serialized_start=1847
+  _globals['_FIDELITY']._serialized_end=1929
   _globals['_CACHEIDENTITY']._serialized_start=41
   _globals['_CACHEIDENTITY']._serialized_end=204
   _globals['_LOOKUPREQUEST']._serialized_start=207
   _globals['_LOOKUPREQUEST']._serialized_end=427
   _globals['_LOOKUPSUMMARY']._serialized_start=430
   _globals['_LOOKUPSUMMARY']._serialized_end=602
-  _globals['_LOOKUPPLAN']._serialized_start=605
-  _globals['_LOOKUPPLAN']._serialized_end=862
-  _globals['_STOREHEADER']._serialized_start=864
-  _globals['_STOREHEADER']._serialized_end=977
-  _globals['_PAYLOADPART']._serialized_start=979
-  _globals['_PAYLOADPART']._serialized_end=1041
-  _globals['_STOREREQUEST']._serialized_start=1043
-  _globals['_STOREREQUEST']._serialized_end=1151
-  _globals['_STORERESPONSE']._serialized_start=1153
-  _globals['_STORERESPONSE']._serialized_end=1268
-  _globals['_STATSREQUEST']._serialized_start=1270
-  _globals['_STATSREQUEST']._serialized_end=1284
-  _globals['_REGISTRYSTATS']._serialized_start=1287
-  _globals['_REGISTRYSTATS']._serialized_end=1442
-  _globals['_STATSRESPONSE']._serialized_start=1445
-  _globals['_STATSRESPONSE']._serialized_end=1703
-  _globals['_PINGREQUEST']._serialized_start=1705
-  _globals['_PINGREQUEST']._serialized_end=1718
-  _globals['_PINGRESPONSE']._serialized_start=1720
-  _globals['_PINGRESPONSE']._serialized_end=1734
-  _globals['_KVSIDECAR']._serialized_start=2077
-  _globals['_KVSIDECAR']._serialized_end=2334
+  _globals['_LOOKUPPLAN']._serialized_start=604
+  _globals['_LOOKUPPLAN']._serialized_end=717
+  _globals['_STOREHEADER']._serialized_start=719
+  _globals['_STOREHEADER']._serialized_end=832
+  _globals['_PAYLOADPART']._serialized_start=834
+  _globals['_PAYLOADPART']._serialized_end=896
+  _globals['_STOREREQUEST']._serialized_start=898
+  _globals['_STOREREQUEST']._serialized_end=1006
+  _globals['_STORERESPONSE']._serialized_start=1008
+  _globals['_STORERESPONSE']._serialized_end=1123
+  _globals['_STATSREQUEST']._serialized_start=1125
+  _globals['_STATSREQUEST']._serialized_end=1139
+  _globals['_REGISTRYSTATS']._serialized_start=1142
+  _globals['_REGISTRYSTATS']._serialized_end=1297
+  _globals['_STATSRESPONSE']._serialized_start=1300
+  _globals['_STATSRESPONSE']._serialized_end=1558
+  _globals['_PINGREQUEST']._serialized_start=1560
+  _globals['_PINGREQUEST']._serialized_end=1573
+  _globals['_PINGRESPONSE']._serialized_start=1575
+  _globals['_PINGRESPONSE']._serialized_end=1589
+  _globals['_KVSIDECAR']._serialized_start=1932
+  _globals['_KVSIDECAR']._serialized_end=2189
 # @@protoc_insertion_point(module_scope)

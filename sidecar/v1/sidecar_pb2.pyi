@@ -1,8 +1,7 @@
-from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from collections.abc import Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -91,28 +90,16 @@ class LookupSummary(_message.Message):
     def __init__(self, total_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., exact_tokens: _Optional[int] = ..., shifted_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., chunks_total: _Optional[int] = ..., chunks_hit: _Optional[int] = ...) -> None: ...
 
 class LookupPlan(_message.Message):
-    __slots__ = ("kind", "start", "end", "chunk_hash", "chunk_offset", "source_pos", "delta", "fidelity", "summary", "dry_run")
-    KIND_FIELD_NUMBER: _ClassVar[int]
-    START_FIELD_NUMBER: _ClassVar[int]
-    END_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_HASH_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_OFFSET_FIELD_NUMBER: _ClassVar[int]
-    SOURCE_POS_FIELD_NUMBER: _ClassVar[int]
-    DELTA_FIELD_NUMBER: _ClassVar[int]
-    FIDELITY_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("segments", "summary", "dry_run", "chunk_bounds")
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
-    kind: _containers.RepeatedScalarFieldContainer[SegmentKind]
-    start: _containers.RepeatedScalarFieldContainer[int]
-    end: _containers.RepeatedScalarFieldContainer[int]
-    chunk_hash: _containers.RepeatedScalarFieldContainer[int]
-    chunk_offset: _containers.RepeatedScalarFieldContainer[int]
-    source_pos: _containers.RepeatedScalarFieldContainer[int]
-    delta: _containers.RepeatedScalarFieldContainer[int]
-    fidelity: _containers.RepeatedScalarFieldContainer[Fidelity]
+    CHUNK_BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    segments: bytes
     summary: LookupSummary
     dry_run: bool
-    def __init__(self, kind: _Optional[_Iterable[_Union[SegmentKind, str]]] = ..., start: _Optional[_Iterable[int]] = ..., end: _Optional[_Iterable[int]] = ..., chunk_hash: _Optional[_Iterable[int]] = ..., chunk_offset: _Optional[_Iterable[int]] = ..., source_pos: _Optional[_Iterable[int]] = ..., delta: _Optional[_Iterable[int]] = ..., fidelity: _Optional[_Iterable[_Union[Fidelity, str]]] = ..., summary: _Optional[_Union[LookupSummary, _Mapping]] = ..., dry_run: bool = ...) -> None: ...
+    chunk_bounds: bytes
+    def __init__(self, segments: _Optional[bytes] = ..., summary: _Optional[_Union[LookupSummary, _Mapping]] = ..., dry_run: bool = ..., chunk_bounds: _Optional[bytes] = ...) -> None: ...
 
 class StoreHeader(_message.Message):
     __slots__ = ("tokens", "identity", "register_from", "shared")

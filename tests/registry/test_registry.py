@@ -99,3 +99,14 @@ def test_delete():
 def test_bad_config(kwargs):
     with pytest.raises(ValueError, match="registry"):
         RegistryConfig(**kwargs)
+
+
+def test_scope_entry_counts():
+    reg = InMemoryRegistry(RegistryConfig(capacity_entries=2))
+    reg.insert(entry(1, scope="a"))
+    reg.insert(entry(2, scope="shared"))
+    assert (reg.scope_entries("a"), reg.scope_entries("shared")) == (1, 1)
+    reg.insert(entry(3, scope="a"))  # evicts 1
+    assert (reg.scope_entries("a"), reg.scope_entries("shared")) == (1, 1)
+    reg.delete(2)
+    assert reg.scope_entries("shared") == 0 and reg.scope_entries("b") == 0
