@@ -129,12 +129,14 @@ def rotate_keys_cuda(k: torch.Tensor, delta: Delta, spec: RopeSpec, *, out: torc
     if n_rows == 0:
         return dst
     index = table.index if table.index is not None else table.cos  # placeholder pointer when unused
-    grid = (triton.cdiv(n_rows, _BLOCK_ROWS),)
+    block_d = triton.next_power_of_2(spec.key_dim)
+    block_r = max(1, min(_BLOCK_ROWS, 4096 // block_d))  # ~4K elements per program for wide MLA rows
+    grid = (triton.cdiv(n_rows, block_r),)
     _launch(
         _rotate_rows_kernel, grid,
         src, dst, table.cos, table.sin, index, n_rows, spec.key_dim, spec.rotary_offset, spec.half,
         PER_ROW=table.index is not None, INTERLEAVED=spec.pairing is Pairing.INTERLEAVED, COPY_PASS=not in_place,
-        BLOCK_R=_BLOCK_ROWS, BLOCK_H=triton.next_power_of_2(spec.half), BLOCK_D=triton.next_power_of_2(spec.key_dim),
+        BLOCK_R=block_r, BLOCK_H=triton.next_power_of_2(spec.half), BLOCK_D=block_d,
     )  # fmt: skip
     return dst
 
