@@ -21,20 +21,23 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import numpy as np
 
 from sidecar.errors import SidecarError, error_for_status
-from sidecar.identity import CacheIdentity
+from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.registry.plan import AdmissionPolicy, LookupPlan
 from sidecar.tenancy import AUTH_HEADER, TENANT_HEADER
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
-from sidecar.wire import POLICY_TO_WIRE, identity_to_wire, plan_from_wire, tokens_to_wire
+from sidecar.wire import POLICY_TO_WIRE, identity_to_wire, layout_to_wire, plan_from_wire, rope_to_wire, tokens_to_wire
+
+if TYPE_CHECKING:
+    from sidecar.rotation import RopeSpec
 
 T = TypeVar("T")
 Tokens = "np.ndarray | Sequence[int] | bytes"
@@ -58,6 +61,109 @@ class StoreResult:
     chunks_registered: int
     chunks_refreshed: int
     chunks_observed: int
+    chunks_stored: int = 0
+    chunk_bounds: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FetchedKV:
+    """One fetched chunk: ``data`` is its payload (``KVLayout`` order) for ``num_tokens``
+    tokens; when ``rotated`` its rotary parts sit at ``target_pos``, else at ``source_pos``
+    (rotate by ``delta`` yourself). ``ok`` is False for a miss: prefill those tokens."""
+
+    index: int
+    chunk_hash: int
+    ok: bool
+    num_tokens: int = 0
+    source_pos: int = 0
+    delta: int = 0
+    rotated: bool = False
+    tier: str = ""
+    data: bytes = b""
+
+
+#: Payload bytes per Store/Fetch message (gRPC messages stay well under the 64 MiB limit).
+PART_BYTES = 2 << 20
+
+
+def _as_memoryview(payload: Any) -> memoryview:
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return memoryview(payload).cast("B")
+    if isinstance(payload, np.ndarray):
+        return memoryview(np.ascontiguousarray(payload)).cast("B")
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        torch = None
+    if torch is not None and isinstance(payload, torch.Tensor):
+        t = payload.detach().contiguous().cpu()
+        return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    raise TypeError(f"payloads: expected bytes, a numpy array or a torch tensor, got {type(payload).__name__}")
+
+
+def _store_payload_requests(
+    tokens: Tokens,
+    identity: CacheIdentity,
+    layout: KVLayout,
+    payloads: Mapping[int, Any],
+    register_from: int,
+    shared: bool,
+    part_bytes: int,
+) -> list[pb.StoreRequest]:
+    header = pb.StoreHeader(
+        tokens=tokens_to_wire(tokens), identity=identity_to_wire(identity), register_from=register_from,
+        shared=shared, layout=layout_to_wire(layout),
+    )
+    msgs = [pb.StoreRequest(header=header)]
+    for start in sorted(payloads):
+        mv = _as_memoryview(payloads[start])
+        n = len(mv)
+        off = 0
+        while True:
+            end = min(n, off + part_bytes)
+            msgs.append(pb.StoreRequest(payload=pb.PayloadPart(chunk_start=start, data=bytes(mv[off:end]), last=end >= n)))
+            off = end
+            if off >= n:
+                break
+    return msgs
+
+
+def _fetch_request(
+    identity: CacheIdentity, layout: KVLayout, rope: "RopeSpec | None", items: Sequence[tuple[int, int]], raw: bool
+) -> pb.FetchRequest:
+    req = pb.FetchRequest(
+        identity=identity_to_wire(identity), layout=layout_to_wire(layout), raw=raw,
+        items=[pb.FetchItem(chunk_hash=h, target_pos=p) for h, p in items],
+    )
+    if rope is not None:
+        req.rope.CopyFrom(rope_to_wire(rope))
+    return req
+
+
+class _FetchAssembler:
+    """Joins a Fetch response stream into ``FetchedKV`` results, in item order."""
+
+    def __init__(self, items: Sequence[tuple[int, int]]) -> None:
+        self.items = items
+        self.out: list[FetchedKV] = []
+        self._first: pb.FetchResponse | None = None
+        self._parts: list[bytes] = []
+
+    def feed(self, msg: pb.FetchResponse) -> None:
+        if self._first is None:
+            self._first = msg
+        self._parts.append(msg.data)
+        if msg.last:
+            f = self._first
+            self.out.append(
+                FetchedKV(
+                    index=f.index, chunk_hash=self.items[f.index][0], ok=f.status == pb.CHUNK_STATUS_OK,
+                    num_tokens=f.num_tokens, source_pos=f.source_pos, delta=f.delta, rotated=f.rotated, tier=f.tier,
+                    data=self._parts[0] if len(self._parts) == 1 else b"".join(self._parts),
+                )
+            )
+            self._first = None
+            self._parts = []
 
 
 def _lookup_request(
@@ -90,7 +196,10 @@ def _store_requests(
 
 
 def _store_result(resp: pb.StoreResponse) -> StoreResult:
-    return StoreResult(resp.chunks_total, resp.chunks_registered, resp.chunks_refreshed, resp.chunks_observed)
+    return StoreResult(
+        resp.chunks_total, resp.chunks_registered, resp.chunks_refreshed, resp.chunks_observed, resp.chunks_stored,
+        tuple(np.frombuffer(resp.chunk_bounds, dtype="<u4").tolist()),
+    )
 
 
 def _headers(tenant: str | None, token: str | None) -> tuple[tuple[str, str], ...]:
@@ -173,13 +282,65 @@ class SidecarClient:
         return plan_from_wire(msg)
 
     async def store(
-        self, tokens: Tokens, *, identity: CacheIdentity, register_from: int = 0, shared: bool = False
+        self,
+        tokens: Tokens,
+        *,
+        identity: CacheIdentity,
+        register_from: int = 0,
+        shared: bool = False,
+        layout: KVLayout | None = None,
+        payloads: Mapping[int, Any] | None = None,
     ) -> StoreResult:
-        """Register the chunks of ``tokens`` (metadata only). Idempotent: re-registering
-        refreshes recency."""
-        msgs = _store_requests(tokens, identity, register_from, shared)
+        """Register the chunks of ``tokens`` (the whole sequence from position 0) starting at or
+        after ``register_from``; with ``layout`` and ``payloads`` ({chunk start: KV bytes at
+        that chunk's positions, ``KVLayout`` order}) also store their KV. Chunk starts come
+        from ``LookupPlan.chunk_bounds`` or a previous ``StoreResult.chunk_bounds``. Each chunk
+        becomes visible only once its payload is complete and verified. Idempotent."""
+        if payloads:
+            if layout is None:
+                raise ValueError("layout: required with payloads")
+            msgs = _store_payload_requests(tokens, identity, layout, payloads, register_from, shared, PART_BYTES)
+        else:
+            msgs = _store_requests(tokens, identity, register_from, shared)
         resp = await self._call(lambda: self._stub.Store(iter(msgs), metadata=self._metadata, timeout=self._timeout))
         return _store_result(resp)
+
+    async def fetch(
+        self,
+        items: Sequence[tuple[int, int]],
+        *,
+        identity: CacheIdentity,
+        layout: KVLayout,
+        rope: "RopeSpec | None" = None,
+        raw: bool = False,
+    ) -> list[FetchedKV]:
+        """Fetch chunk KV: ``items`` are ``(chunk_hash, target_pos)`` with ``target_pos`` the
+        position of the chunk's first token in the new sequence (``seg.start -
+        seg.chunk_offset``). Results come in item order; misses have ``ok=False``. With
+        ``raw`` the payloads stay at their source position. Idempotent (retried when transient)."""
+        req = _fetch_request(identity, layout, rope, items, raw)
+
+        async def run() -> list[FetchedKV]:
+            asm = _FetchAssembler(items)
+            async for msg in self._stub.Fetch(req, metadata=self._metadata, timeout=self._timeout):
+                asm.feed(msg)
+            return asm.out
+
+        return await self._call(run)
+
+    async def evict(self, chunk_hashes: Sequence[int], *, tier: str = "") -> int:
+        resp = await self._call(
+            lambda: self._stub.Evict(pb.EvictRequest(chunk_hashes=list(chunk_hashes), tier=tier),
+                                     metadata=self._metadata, timeout=self._timeout)
+        )
+        return resp.evicted
+
+    async def delete(self, chunk_hashes: Sequence[int]) -> int:
+        resp = await self._call(
+            lambda: self._stub.Delete(pb.DeleteRequest(chunk_hashes=list(chunk_hashes)),
+                                      metadata=self._metadata, timeout=self._timeout)
+        )
+        return resp.deleted
 
     async def stats(self) -> pb.StatsResponse:
         return await self._call(lambda: self._stub.Stats(pb.StatsRequest(), metadata=self._metadata, timeout=self._timeout))
@@ -228,12 +389,57 @@ class SyncSidecarClient:
         return plan_from_wire(self._call(lambda: self._stub.Lookup(req, metadata=self._metadata, timeout=self._timeout)))
 
     def store(
-        self, tokens: Tokens, *, identity: CacheIdentity, register_from: int = 0, shared: bool = False
+        self,
+        tokens: Tokens,
+        *,
+        identity: CacheIdentity,
+        register_from: int = 0,
+        shared: bool = False,
+        layout: KVLayout | None = None,
+        payloads: Mapping[int, Any] | None = None,
     ) -> StoreResult:
-        msgs = _store_requests(tokens, identity, register_from, shared)
+        """See ``SidecarClient.store``."""
+        if payloads:
+            if layout is None:
+                raise ValueError("layout: required with payloads")
+            msgs = _store_payload_requests(tokens, identity, layout, payloads, register_from, shared, PART_BYTES)
+        else:
+            msgs = _store_requests(tokens, identity, register_from, shared)
         return _store_result(
             self._call(lambda: self._stub.Store(iter(msgs), metadata=self._metadata, timeout=self._timeout))
         )
+
+    def fetch(
+        self,
+        items: Sequence[tuple[int, int]],
+        *,
+        identity: CacheIdentity,
+        layout: KVLayout,
+        rope: "RopeSpec | None" = None,
+        raw: bool = False,
+    ) -> list[FetchedKV]:
+        """See ``SidecarClient.fetch``."""
+        req = _fetch_request(identity, layout, rope, items, raw)
+
+        def run() -> list[FetchedKV]:
+            asm = _FetchAssembler(items)
+            for msg in self._stub.Fetch(req, metadata=self._metadata, timeout=self._timeout):
+                asm.feed(msg)
+            return asm.out
+
+        return self._call(run)
+
+    def evict(self, chunk_hashes: Sequence[int], *, tier: str = "") -> int:
+        return self._call(
+            lambda: self._stub.Evict(pb.EvictRequest(chunk_hashes=list(chunk_hashes), tier=tier),
+                                     metadata=self._metadata, timeout=self._timeout)
+        ).evicted
+
+    def delete(self, chunk_hashes: Sequence[int]) -> int:
+        return self._call(
+            lambda: self._stub.Delete(pb.DeleteRequest(chunk_hashes=list(chunk_hashes)),
+                                      metadata=self._metadata, timeout=self._timeout)
+        ).deleted
 
     def stats(self) -> pb.StatsResponse:
         return self._call(lambda: self._stub.Stats(pb.StatsRequest(), metadata=self._metadata, timeout=self._timeout))
@@ -251,4 +457,4 @@ class SyncSidecarClient:
         self.close()
 
 
-__all__ = ["RetryPolicy", "SidecarClient", "SidecarError", "StoreResult", "SyncSidecarClient"]
+__all__ = ["FetchedKV", "RetryPolicy", "SidecarClient", "SidecarError", "StoreResult", "SyncSidecarClient"]

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from sidecar.errors import InvalidArgument
-from sidecar.identity import CacheIdentity
+from sidecar.identity import CacheIdentity, KVLayout, KVPart
 from sidecar.registry.plan import SEGMENT_FIELDS, AdmissionPolicy, LookupPlan, LookupSummary
 from sidecar.v1 import sidecar_pb2 as pb
+
+if TYPE_CHECKING:
+    from sidecar.rotation import RopeSpec
 
 POLICY_FROM_WIRE = {
     pb.ADMISSION_POLICY_EXACT: AdmissionPolicy.EXACT,
@@ -141,3 +145,54 @@ def plan_from_wire(msg: pb.LookupPlan) -> LookupPlan:
         dry_run=msg.dry_run,
         chunk_bounds=np.frombuffer(msg.chunk_bounds, dtype="<u4"),
     )
+
+
+# ------------------------------------------------------------------------- layout and rope
+
+
+def layout_to_wire(layout: KVLayout) -> pb.KVLayout:
+    return pb.KVLayout(
+        num_layers=layout.num_layers,
+        parts=[pb.KVPart(name=p.name, shape=list(p.shape), dtype=p.dtype, rotary=p.rotary) for p in layout.parts],
+    )
+
+
+def layout_from_wire(msg: pb.KVLayout, field: str = "layout") -> KVLayout:
+    try:
+        return KVLayout(
+            num_layers=msg.num_layers,
+            parts=tuple(KVPart(name=p.name, shape=tuple(p.shape), dtype=p.dtype, rotary=p.rotary) for p in msg.parts),
+        )
+    except ValueError as exc:
+        raise InvalidArgument(f"{field}: {exc}") from exc
+
+
+def rope_to_wire(spec: "RopeSpec") -> pb.RopeParams:
+    return pb.RopeParams(
+        rotary_dim=spec.rotary_dim,
+        pairing=spec.pairing.value,
+        layout=spec.layout.value,
+        inv_freq=np.asarray(spec.inv_freq, dtype="<f4").tobytes(),
+        key_dim=spec.key_dim,
+        attention_scaling=spec.attention_scaling,
+        rope_type=spec.rope_type,
+    )
+
+
+def rope_from_wire(msg: pb.RopeParams, field: str = "rope") -> "RopeSpec":
+    from sidecar.rotation import RopeSpec
+
+    if len(msg.inv_freq) % 4:
+        raise InvalidArgument(f"{field}.inv_freq: length {len(msg.inv_freq)} is not a multiple of 4 (packed float32)")
+    try:
+        return RopeSpec(
+            rotary_dim=msg.rotary_dim,
+            key_dim=msg.key_dim,
+            layout=msg.layout,
+            pairing=msg.pairing,
+            inv_freq=tuple(np.frombuffer(msg.inv_freq, dtype="<f4").tolist()),
+            attention_scaling=msg.attention_scaling if msg.attention_scaling else 1.0,
+            rope_type=msg.rope_type or "default",
+        )
+    except ValueError as exc:
+        raise InvalidArgument(f"{field}: {exc}") from exc

@@ -1,7 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -24,6 +25,12 @@ class Fidelity(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FIDELITY_UNSPECIFIED: _ClassVar[Fidelity]
     FIDELITY_EXACT: _ClassVar[Fidelity]
     FIDELITY_APPROXIMATE: _ClassVar[Fidelity]
+
+class ChunkStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHUNK_STATUS_UNSPECIFIED: _ClassVar[ChunkStatus]
+    CHUNK_STATUS_OK: _ClassVar[ChunkStatus]
+    CHUNK_STATUS_MISS: _ClassVar[ChunkStatus]
 ADMISSION_POLICY_UNSPECIFIED: AdmissionPolicy
 ADMISSION_POLICY_EXACT: AdmissionPolicy
 ADMISSION_POLICY_POSITION_INDEPENDENT: AdmissionPolicy
@@ -34,6 +41,9 @@ SEGMENT_KIND_PREFILL: SegmentKind
 FIDELITY_UNSPECIFIED: Fidelity
 FIDELITY_EXACT: Fidelity
 FIDELITY_APPROXIMATE: Fidelity
+CHUNK_STATUS_UNSPECIFIED: ChunkStatus
+CHUNK_STATUS_OK: ChunkStatus
+CHUNK_STATUS_MISS: ChunkStatus
 
 class CacheIdentity(_message.Message):
     __slots__ = ("model_id", "weights_hash", "tokenizer_hash", "kv_layout", "rope_fingerprint", "block_size", "namespace")
@@ -52,6 +62,44 @@ class CacheIdentity(_message.Message):
     block_size: int
     namespace: str
     def __init__(self, model_id: _Optional[str] = ..., weights_hash: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., kv_layout: _Optional[str] = ..., rope_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
+
+class KVPart(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "rotary")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROTARY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    rotary: bool
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., rotary: bool = ...) -> None: ...
+
+class KVLayout(_message.Message):
+    __slots__ = ("num_layers", "parts")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    parts: _containers.RepeatedCompositeFieldContainer[KVPart]
+    def __init__(self, num_layers: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[KVPart, _Mapping]]] = ...) -> None: ...
+
+class RopeParams(_message.Message):
+    __slots__ = ("rotary_dim", "pairing", "layout", "inv_freq", "key_dim", "attention_scaling", "rope_type")
+    ROTARY_DIM_FIELD_NUMBER: _ClassVar[int]
+    PAIRING_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    INV_FREQ_FIELD_NUMBER: _ClassVar[int]
+    KEY_DIM_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_SCALING_FIELD_NUMBER: _ClassVar[int]
+    ROPE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    rotary_dim: int
+    pairing: str
+    layout: str
+    inv_freq: bytes
+    key_dim: int
+    attention_scaling: float
+    rope_type: str
+    def __init__(self, rotary_dim: _Optional[int] = ..., pairing: _Optional[str] = ..., layout: _Optional[str] = ..., inv_freq: _Optional[bytes] = ..., key_dim: _Optional[int] = ..., attention_scaling: _Optional[float] = ..., rope_type: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("tokens", "identity", "engine_prefix_len", "policy", "left_context_window", "recompute_tokens", "dry_run")
@@ -102,26 +150,28 @@ class LookupPlan(_message.Message):
     def __init__(self, segments: _Optional[bytes] = ..., summary: _Optional[_Union[LookupSummary, _Mapping]] = ..., dry_run: bool = ..., chunk_bounds: _Optional[bytes] = ...) -> None: ...
 
 class StoreHeader(_message.Message):
-    __slots__ = ("tokens", "identity", "register_from", "shared")
+    __slots__ = ("tokens", "identity", "register_from", "shared", "layout")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     REGISTER_FROM_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     tokens: bytes
     identity: CacheIdentity
     register_from: int
     shared: bool
-    def __init__(self, tokens: _Optional[bytes] = ..., identity: _Optional[_Union[CacheIdentity, _Mapping]] = ..., register_from: _Optional[int] = ..., shared: bool = ...) -> None: ...
+    layout: KVLayout
+    def __init__(self, tokens: _Optional[bytes] = ..., identity: _Optional[_Union[CacheIdentity, _Mapping]] = ..., register_from: _Optional[int] = ..., shared: bool = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
 
 class PayloadPart(_message.Message):
-    __slots__ = ("chunk_index", "data", "last")
-    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("chunk_start", "data", "last")
+    CHUNK_START_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
-    chunk_index: int
+    chunk_start: int
     data: bytes
     last: bool
-    def __init__(self, chunk_index: _Optional[int] = ..., data: _Optional[bytes] = ..., last: bool = ...) -> None: ...
+    def __init__(self, chunk_start: _Optional[int] = ..., data: _Optional[bytes] = ..., last: bool = ...) -> None: ...
 
 class StoreRequest(_message.Message):
     __slots__ = ("header", "payload")
@@ -132,16 +182,90 @@ class StoreRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[StoreHeader, _Mapping]] = ..., payload: _Optional[_Union[PayloadPart, _Mapping]] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
-    __slots__ = ("chunks_total", "chunks_registered", "chunks_refreshed", "chunks_observed")
+    __slots__ = ("chunks_total", "chunks_registered", "chunks_refreshed", "chunks_observed", "chunks_stored", "chunk_bounds")
     CHUNKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_REFRESHED_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_STORED_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     chunks_total: int
     chunks_registered: int
     chunks_refreshed: int
     chunks_observed: int
-    def __init__(self, chunks_total: _Optional[int] = ..., chunks_registered: _Optional[int] = ..., chunks_refreshed: _Optional[int] = ..., chunks_observed: _Optional[int] = ...) -> None: ...
+    chunks_stored: int
+    chunk_bounds: bytes
+    def __init__(self, chunks_total: _Optional[int] = ..., chunks_registered: _Optional[int] = ..., chunks_refreshed: _Optional[int] = ..., chunks_observed: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., chunk_bounds: _Optional[bytes] = ...) -> None: ...
+
+class FetchItem(_message.Message):
+    __slots__ = ("chunk_hash", "target_pos")
+    CHUNK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TARGET_POS_FIELD_NUMBER: _ClassVar[int]
+    chunk_hash: int
+    target_pos: int
+    def __init__(self, chunk_hash: _Optional[int] = ..., target_pos: _Optional[int] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("identity", "layout", "rope", "items", "raw")
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ROPE_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    identity: CacheIdentity
+    layout: KVLayout
+    rope: RopeParams
+    items: _containers.RepeatedCompositeFieldContainer[FetchItem]
+    raw: bool
+    def __init__(self, identity: _Optional[_Union[CacheIdentity, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., rope: _Optional[_Union[RopeParams, _Mapping]] = ..., items: _Optional[_Iterable[_Union[FetchItem, _Mapping]]] = ..., raw: bool = ...) -> None: ...
+
+class FetchResponse(_message.Message):
+    __slots__ = ("index", "status", "num_tokens", "source_pos", "delta", "rotated", "tier", "data", "last")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_POS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    ROTATED_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    status: ChunkStatus
+    num_tokens: int
+    source_pos: int
+    delta: int
+    rotated: bool
+    tier: str
+    data: bytes
+    last: bool
+    def __init__(self, index: _Optional[int] = ..., status: _Optional[_Union[ChunkStatus, str]] = ..., num_tokens: _Optional[int] = ..., source_pos: _Optional[int] = ..., delta: _Optional[int] = ..., rotated: bool = ..., tier: _Optional[str] = ..., data: _Optional[bytes] = ..., last: bool = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("chunk_hashes", "tier")
+    CHUNK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    chunk_hashes: _containers.RepeatedScalarFieldContainer[int]
+    tier: str
+    def __init__(self, chunk_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("evicted",)
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    evicted: int
+    def __init__(self, evicted: _Optional[int] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("chunk_hashes",)
+    CHUNK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    chunk_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, chunk_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    def __init__(self, deleted: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -165,8 +289,24 @@ class RegistryStats(_message.Message):
     verify_failures: int
     def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_entries: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., hits: _Optional[int] = ..., verify_failures: _Optional[int] = ...) -> None: ...
 
+class TierStats(_message.Message):
+    __slots__ = ("tier", "bytes", "objects", "capacity_bytes", "hits", "misses")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    bytes: int
+    objects: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    def __init__(self, tier: _Optional[str] = ..., bytes: _Optional[int] = ..., objects: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
+
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "registry", "lookups", "lookup_tokens", "recovered_prefix_tokens", "recovered_exact_tokens", "recovered_shifted_tokens", "prefill_tokens", "uptime_s")
+    __slots__ = ("version", "registry", "lookups", "lookup_tokens", "recovered_prefix_tokens", "recovered_exact_tokens", "recovered_shifted_tokens", "prefill_tokens", "uptime_s", "tiers", "checksum_failures")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REGISTRY_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +316,8 @@ class StatsResponse(_message.Message):
     RECOVERED_SHIFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
     version: str
     registry: RegistryStats
     lookups: int
@@ -185,7 +327,9 @@ class StatsResponse(_message.Message):
     recovered_shifted_tokens: int
     prefill_tokens: int
     uptime_s: float
-    def __init__(self, version: _Optional[str] = ..., registry: _Optional[_Union[RegistryStats, _Mapping]] = ..., lookups: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., recovered_prefix_tokens: _Optional[int] = ..., recovered_exact_tokens: _Optional[int] = ..., recovered_shifted_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    checksum_failures: int
+    def __init__(self, version: _Optional[str] = ..., registry: _Optional[_Union[RegistryStats, _Mapping]] = ..., lookups: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., recovered_prefix_tokens: _Optional[int] = ..., recovered_exact_tokens: _Optional[int] = ..., recovered_shifted_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., checksum_failures: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()

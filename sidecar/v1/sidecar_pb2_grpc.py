@@ -44,6 +44,21 @@ class KVSidecarStub(object):
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.StoreRequest.SerializeToString,
                 response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.StoreResponse.FromString,
                 _registered_method=True)
+        self.Fetch = channel.unary_stream(
+                '/sidecar.v1.KVSidecar/Fetch',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.FetchRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.FetchResponse.FromString,
+                _registered_method=True)
+        self.Evict = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/Evict',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.EvictRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.EvictResponse.FromString,
+                _registered_method=True)
+        self.Delete = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/Delete',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.DeleteRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.DeleteResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/sidecar.v1.KVSidecar/Stats',
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.StatsRequest.SerializeToString,
@@ -67,8 +82,28 @@ class KVSidecarServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Store(self, request_iterator, context):
-        """Register a prompt's chunks (metadata only until payloads are sent).
+        """Register a prompt's chunks; payload parts after the header store their KV.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Fetch(self, request, context):
+        """Stream chunk KV for a plan's hits, rotated to their target positions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Evict(self, request, context):
+        """Operators: drop chunk copies from a tier (demotion), or delete chunks everywhere.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Delete(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -98,6 +133,21 @@ def add_KVSidecarServicer_to_server(servicer, server):
                     servicer.Store,
                     request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.StoreRequest.FromString,
                     response_serializer=sidecar_dot_v1_dot_sidecar__pb2.StoreResponse.SerializeToString,
+            ),
+            'Fetch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.FetchRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.FetchResponse.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.EvictRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.EvictResponse.SerializeToString,
+            ),
+            'Delete': grpc.unary_unary_rpc_method_handler(
+                    servicer.Delete,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.DeleteRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.DeleteResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -164,6 +214,87 @@ class KVSidecar(object):
             '/sidecar.v1.KVSidecar/Store',
             sidecar_dot_v1_dot_sidecar__pb2.StoreRequest.SerializeToString,
             sidecar_dot_v1_dot_sidecar__pb2.StoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/Fetch',
+            sidecar_dot_v1_dot_sidecar__pb2.FetchRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.FetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/Evict',
+            sidecar_dot_v1_dot_sidecar__pb2.EvictRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.EvictResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Delete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/Delete',
+            sidecar_dot_v1_dot_sidecar__pb2.DeleteRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.DeleteResponse.FromString,
             options,
             channel_credentials,
             insecure,
