@@ -26,6 +26,7 @@ import yaml
 from sidecar.registry.chunker import ChunkerConfig
 from sidecar.registry.plan import AdmissionPolicy
 from sidecar.registry.registry import RegistryConfig
+from sidecar.tiers import StoreConfig
 
 ENV_PREFIX = "KV_SIDECAR_"
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
@@ -66,7 +67,10 @@ class SidecarConfig:
     log_level: str = "INFO"
     chunker: ChunkerConfig = field(default_factory=ChunkerConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    max_fetch_items: int = 4096
+    fetch_part_bytes: int = 2 << 20
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -104,7 +108,9 @@ def _coerce(tp: Any, value: Any) -> Any:
         inner = args[0] if args else Any
         return tuple(_coerce(inner, v) for v in (value or ()))
     if origin in (dict, Mapping) or tp is Mapping:
-        return dict(value or {})
+        args = get_args(tp)
+        inner = args[1] if len(args) == 2 else Any
+        return {k: _coerce(inner, v) for k, v in dict(value or {}).items()}
     if tp is bool:
         if isinstance(value, str):
             return value.strip().lower() in ("1", "true", "yes", "on")
@@ -117,6 +123,11 @@ def _coerce(tp: Any, value: Any) -> Any:
         return str(value)
     if isinstance(tp, type) and issubclass(tp, Enum):
         return tp(value)
+    if tp is Any:
+        return value
+    if get_origin(tp) is not None and type(None) in get_args(tp):  # Optional[X]
+        inner = [a for a in get_args(tp) if a is not type(None)][0]
+        return None if value is None else _coerce(inner, value)
     return value
 
 

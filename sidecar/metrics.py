@@ -13,7 +13,16 @@ kv_sidecar_lookups_total{policy,dry_run}        Lookups served
 kv_sidecar_lookup_tokens_total{kind,dry_run}    prompt tokens by kind: prefix | exact |
                                                 shifted | prefill
 kv_sidecar_lookup_seconds                       server-side Lookup latency (histogram)
-kv_sidecar_store_chunks_total{outcome}          chunks registered | refreshed
+kv_sidecar_store_chunks_total{outcome}          chunks registered | refreshed | stored
+kv_sidecar_store_bytes_total, _seconds          KV payload bytes stored; Store latency
+kv_sidecar_fetch_bytes_total, _seconds          KV payload bytes streamed; Fetch latency
+kv_sidecar_tier_bytes / _objects /              per tier {tier=gpu|cpu|disk|remote}
+  _capacity_bytes / _hits / _misses
+kv_sidecar_tier_promotions / _demotions         chunks moved up on hit / down instead of lost
+kv_sidecar_tier_evictions{reason}               copies dropped (capacity | quota | operator)
+kv_sidecar_tier_losses{reason}                  chunks found missing or corrupt
+kv_sidecar_checksum_failures_total              payloads failing their checksum on read
+kv_sidecar_rotation_bytes / _seconds            key bytes rotated on Fetch and time spent
 kv_sidecar_registry_entries / _bytes            registry size (gauges)
 kv_sidecar_registry_evictions_total{reason}     evictions (capacity_entries | capacity_bytes |
                                                 deleted)
@@ -32,6 +41,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
+    from sidecar.dataplane import DataPlane
     from sidecar.registry.registry import InMemoryRegistry
 
 logger = logging.getLogger(__name__)
@@ -53,6 +63,45 @@ class _RegistryCollector:
         )
 
 
+class _DataPlaneCollector:
+    """Tier gauges and counters read from the store's own stats at scrape time."""
+
+    def __init__(self, dataplane: "DataPlane") -> None:
+        self._dp = dataplane
+
+    def collect(self):
+        st = self._dp.store.stats()
+        c = self._dp.counters
+        used = GaugeMetricFamily("kv_sidecar_tier_bytes", "Bytes held per tier", labels=["tier"])
+        cap = GaugeMetricFamily("kv_sidecar_tier_capacity_bytes", "Capacity per tier", labels=["tier"])
+        objs = GaugeMetricFamily("kv_sidecar_tier_objects", "Chunks held per tier", labels=["tier"])
+        hits = CounterMetricFamily("kv_sidecar_tier_hits", "Reads served per tier", labels=["tier"])
+        misses = CounterMetricFamily("kv_sidecar_tier_misses", "Reads that missed per tier", labels=["tier"])
+        for tier, ts in st.tiers.items():
+            used.add_metric([tier.value], ts.used_bytes)
+            cap.add_metric([tier.value], ts.capacity_bytes)
+            objs.add_metric([tier.value], ts.objects)
+            hits.add_metric([tier.value], ts.hits)
+            misses.add_metric([tier.value], ts.misses)
+        yield from (used, cap, objs, hits, misses)
+        yield CounterMetricFamily("kv_sidecar_tier_promotions", "Chunks promoted on hit", value=st.promotions)
+        yield CounterMetricFamily("kv_sidecar_tier_demotions", "Chunks demoted (not lost)", value=st.demotions)
+        ev = CounterMetricFamily("kv_sidecar_tier_evictions", "Copies dropped, by reason", labels=["reason"])
+        for reason, n in st.evictions_by_reason.items():
+            ev.add_metric([getattr(reason, "value", str(reason))], n)
+        yield ev
+        lost = CounterMetricFamily("kv_sidecar_tier_losses", "Chunks found missing or corrupt", labels=["reason"])
+        for reason, n in st.losses_by_reason.items():
+            lost.add_metric([getattr(reason, "value", str(reason))], n)
+        yield lost
+        yield CounterMetricFamily("kv_sidecar_checksum_failures", "Payloads failing their checksum", value=st.checksum_failures)
+        yield CounterMetricFamily("kv_sidecar_quota_refusals", "Stores refused by tenant quota", value=st.quota_refusals)
+        yield CounterMetricFamily("kv_sidecar_rotation_bytes", "Key bytes rotated on Fetch", value=c.rotated_bytes)
+        yield CounterMetricFamily("kv_sidecar_rotation_seconds", "Time spent rotating on Fetch", value=c.rotation_seconds)
+        yield CounterMetricFamily("kv_sidecar_fetch_chunks", "Chunks served by Fetch", value=c.fetched_chunks)
+        yield CounterMetricFamily("kv_sidecar_fetch_misses", "Fetch items that missed", value=c.fetch_misses)
+
+
 class Metrics:
     def __init__(self, version: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -66,6 +115,10 @@ class Metrics:
             "kv_sidecar_lookup_seconds", "Server-side Lookup latency", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.store_chunks = Counter("kv_sidecar_store_chunks", "Chunks seen by Store", ["outcome"], registry=r)
+        self.store_bytes = Counter("kv_sidecar_store_bytes", "KV payload bytes stored", registry=r)
+        self.store_seconds = Histogram("kv_sidecar_store_seconds", "Store with payloads, server side", registry=r)
+        self.fetch_bytes = Counter("kv_sidecar_fetch_bytes", "KV payload bytes streamed by Fetch", registry=r)
+        self.fetch_seconds = Histogram("kv_sidecar_fetch_seconds", "Fetch, server side", registry=r)
         self.evictions = Counter("kv_sidecar_registry_evictions", "Registry evictions", ["reason"], registry=r)
         self.invariant_violations = Counter(
             "kv_sidecar_cache_invariant_violations", "Broken cache invariants (alert on any)", registry=r
@@ -76,6 +129,9 @@ class Metrics:
 
     def watch_registry(self, registry: "InMemoryRegistry") -> None:
         self.registry.register(_RegistryCollector(registry))
+
+    def watch_dataplane(self, dataplane: "DataPlane") -> None:
+        self.registry.register(_DataPlaneCollector(dataplane))
 
     def serve_http(self, host: str, port: int) -> int:
         """Start the /metrics endpoint in a daemon thread; returns the bound port."""

@@ -20,12 +20,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sidecar import __version__
 from sidecar.config import SidecarConfig
-from sidecar.errors import InvalidArgument, Unimplemented, status_for
+from sidecar.dataplane import DataPlane
+from sidecar.errors import InvalidArgument, status_for
 from sidecar.identity import SHARED_SCOPE
 from sidecar.metrics import Metrics
 from sidecar.registry.chunker import warmup
@@ -35,11 +37,19 @@ from sidecar.registry.registry import InMemoryRegistry
 from sidecar.tenancy import Tenancy
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
-from sidecar.wire import IdentityCache, plan_to_wire, policy_from_wire, tokens_from_wire
+from sidecar.wire import (
+    IdentityCache,
+    layout_from_wire,
+    plan_to_wire,
+    policy_from_wire,
+    rope_from_wire,
+    tokens_from_wire,
+)
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVSidecar"].full_name
+TIER_NAMES = frozenset(("gpu", "cpu", "disk", "remote"))
 _PING = pb.PingResponse()
 
 
@@ -68,14 +78,17 @@ def _rpc(method: str) -> Callable:
 
 
 class KVSidecarServicer(pb_grpc.KVSidecarServicer):
-    def __init__(self, config: SidecarConfig, index: ChunkIndex, metrics: Metrics) -> None:
+    def __init__(self, config: SidecarConfig, index: ChunkIndex, dataplane: DataPlane, metrics: Metrics) -> None:
         self.config = config
         self.index = index
+        self.dataplane = dataplane
         self.metrics = metrics
         self.tenancy = Tenancy(config.auth, config.default_tenant)
         self.identities = IdentityCache()
         self.started = time.time()
-        self._ok = {m: metrics.requests.labels(m, "OK") for m in ("Lookup", "Store", "Stats", "Ping")}
+        self._ok = {
+            m: metrics.requests.labels(m, "OK") for m in ("Lookup", "Store", "Fetch", "Evict", "Delete", "Stats", "Ping")
+        }
         self._lookup_counters = {}
         self.totals = {"lookups": 0, "lookup_tokens": 0, "prefix": 0, "exact": 0, "shifted": 0, "prefill": 0}
 
@@ -156,8 +169,10 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
     ) -> pb.StoreResponse:
         tenant = self.tenancy.resolve(context.invocation_metadata())
         header = None
+        payloads: dict[int, bytearray] = {}
+        complete: set[int] = set()
         # Read the whole stream before changing anything: a bad message anywhere leaves the
-        # registry untouched.
+        # registry and the tiers untouched.
         async for msg in request_iterator:
             which = msg.WhichOneof("msg")
             if which == "header":
@@ -167,7 +182,18 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
             elif which == "payload":
                 if header is None:
                     raise InvalidArgument("header: the first Store message must carry the header")
-                raise Unimplemented("payload: KV payloads are not accepted yet (metadata-only Store)")
+                part = msg.payload
+                start = part.chunk_start
+                if start in complete:
+                    raise InvalidArgument(f"payload.chunk_start: chunk at {start} received after its last part")
+                buf = payloads.get(start)
+                if buf is None:
+                    buf = payloads[start] = bytearray()
+                buf += part.data
+                if len(buf) > self.config.max_message_bytes:
+                    raise InvalidArgument(f"payload.data: chunk at {start} exceeds {self.config.max_message_bytes} bytes")
+                if part.last:
+                    complete.add(start)
             else:
                 raise InvalidArgument("msg: empty StoreRequest (neither header nor payload)")
         if header is None:
@@ -176,22 +202,109 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
         identity = self.identities.get(header.identity, header.HasField("identity"))
         if header.register_from > len(tokens):
             raise InvalidArgument(f"header.register_from: {header.register_from} exceeds the sequence length {len(tokens)}")
+        incomplete = sorted(set(payloads) - complete)
+        if incomplete:
+            raise InvalidArgument(f"payload.last: chunks at {incomplete[:8]} never received their last part")
         scope = tenant
         if header.shared:
             self.tenancy.check_shared_write(tenant)
             scope = SHARED_SCOPE
-        result = self.index.register(tokens, header.tokens, identity, scope, register_from=header.register_from)
         m = self.metrics
-        m.store_chunks.labels("registered").inc(result.chunks_registered)
-        m.store_chunks.labels("refreshed").inc(result.chunks_refreshed)
-        for event in self.index.registry.take_events():
-            m.evictions.labels(event.reason).inc()
+        if payloads:
+            if not header.HasField("layout"):
+                raise InvalidArgument("header.layout: required when payload parts follow")
+            layout = layout_from_wire(header.layout, "header.layout")
+            t0 = time.perf_counter()
+            out = await self.dataplane.store_payloads(
+                tokens, header.tokens, identity, scope, tenant, layout, payloads, header.register_from
+            )
+            m.store_bytes.inc(out.stored_bytes)
+            m.store_seconds.observe(time.perf_counter() - t0)
+            registered, refreshed, stored, bounds = (
+                out.chunks_registered, out.chunks_refreshed, out.chunks_stored, out.bounds
+            )
+            total = out.chunks_total
+        else:
+            result = self.index.register(tokens, header.tokens, identity, scope, register_from=header.register_from)
+            self.dataplane.sync()
+            registered, refreshed, stored, bounds = (
+                result.chunks_registered, result.chunks_refreshed, 0, result.bounds
+            )
+            total = result.chunks_total
+        m.store_chunks.labels("registered").inc(registered)
+        m.store_chunks.labels("refreshed").inc(refreshed)
+        m.store_chunks.labels("stored").inc(stored)
         return pb.StoreResponse(
-            chunks_total=result.chunks_total,
-            chunks_registered=result.chunks_registered,
-            chunks_refreshed=result.chunks_refreshed,
-            chunks_observed=result.chunks_total,
+            chunks_total=total,
+            chunks_registered=registered,
+            chunks_refreshed=refreshed,
+            chunks_observed=total - stored,
+            chunks_stored=stored,
+            chunk_bounds=np.asarray(bounds, dtype="<u4").tobytes(),
         )
+
+    # ------------------------------------------------------------------------------- Fetch
+
+    async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchResponse]:
+        t0 = time.perf_counter()
+        try:
+            tenant = self.tenancy.resolve(context.invocation_metadata())
+            identity = self.identities.get(request.identity, request.HasField("identity"))
+            if not request.HasField("layout"):
+                raise InvalidArgument("layout: required")
+            layout = layout_from_wire(request.layout)
+            rope = rope_from_wire(request.rope) if request.HasField("rope") else None
+            if len(request.items) > self.config.max_fetch_items:
+                raise InvalidArgument(f"items: {len(request.items)} exceeds max_fetch_items {self.config.max_fetch_items}")
+            items = [(it.chunk_hash, it.target_pos) for it in request.items]
+            results = await self.dataplane.fetch(tenant, identity, layout, rope, items, request.raw)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped in one place
+            code, message = status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                logger.exception("Fetch failed")
+            self.metrics.requests.labels("Fetch", code.name).inc()
+            await context.abort(code, message)
+        part = self.config.fetch_part_bytes
+        nbytes = 0
+        for r in results:
+            if r.payload is None:
+                yield pb.FetchResponse(index=r.index, status=pb.CHUNK_STATUS_MISS, last=True)
+                continue
+            mv = memoryview(r.payload.numpy())
+            n = len(mv)
+            nbytes += n
+            e = r.entry
+            off = min(part, n)
+            yield pb.FetchResponse(
+                index=r.index, status=pb.CHUNK_STATUS_OK, num_tokens=e.num_tokens, source_pos=e.source_pos,
+                delta=r.delta, rotated=r.rotated, tier=r.tier, data=bytes(mv[:off]), last=off >= n,
+            )
+            while off < n:
+                end = min(n, off + part)
+                yield pb.FetchResponse(index=r.index, data=bytes(mv[off:end]), last=end >= n)
+                off = end
+        m = self.metrics
+        m.fetch_bytes.inc(nbytes)
+        m.fetch_seconds.observe(time.perf_counter() - t0)
+        self._ok["Fetch"].inc()
+
+    # ----------------------------------------------------------------------- Evict / Delete
+
+    @_rpc("Evict")
+    async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.EvictResponse:
+        tenant = self.tenancy.resolve(context.invocation_metadata())
+        if request.tier and request.tier not in TIER_NAMES:
+            raise InvalidArgument(f"tier: unknown tier {request.tier!r} (one of {sorted(TIER_NAMES)})")
+        keys = self.dataplane.owned_keys(tenant, request.chunk_hashes, self.tenancy.may_write_shared(tenant))
+        return pb.EvictResponse(evicted=await self.dataplane.evict(keys, request.tier))
+
+    @_rpc("Delete")
+    async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
+        tenant = self.tenancy.resolve(context.invocation_metadata())
+        keys = self.dataplane.owned_keys(tenant, request.chunk_hashes, self.tenancy.may_write_shared(tenant))
+        return pb.DeleteResponse(deleted=await self.dataplane.delete(keys))
 
     # ------------------------------------------------------------------------------- Stats
 
@@ -200,6 +313,7 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
         self.tenancy.resolve(context.invocation_metadata())
         reg = self.index.registry
         st = reg.snapshot_stats()
+        store_stats = await asyncio.to_thread(self.dataplane.store.stats)
         t = self.totals
         return pb.StatsResponse(
             version=__version__,
@@ -219,6 +333,12 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
             recovered_shifted_tokens=t["shifted"],
             prefill_tokens=t["prefill"],
             uptime_s=time.time() - self.started,
+            tiers=[
+                pb.TierStats(tier=t.value, bytes=ts.used_bytes, objects=ts.objects, capacity_bytes=ts.capacity_bytes,
+                             hits=ts.hits, misses=ts.misses)
+                for t, ts in store_stats.tiers.items()
+            ],
+            checksum_failures=store_stats.checksum_failures,
         )
 
     async def Ping(self, request: pb.PingRequest, context: grpc.aio.ServicerContext) -> pb.PingResponse:
@@ -232,8 +352,10 @@ class SidecarServer:
         self.config = config
         self.metrics = Metrics(__version__)
         self.index = ChunkIndex(config.chunker, InMemoryRegistry(config.registry))
+        self.dataplane = DataPlane(self.index, config.store)
         self.metrics.watch_registry(self.index.registry)
-        self.servicer = KVSidecarServicer(config, self.index, self.metrics)
+        self.metrics.watch_dataplane(self.dataplane)
+        self.servicer = KVSidecarServicer(config, self.index, self.dataplane, self.metrics)
         opts = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -262,6 +384,9 @@ class SidecarServer:
         if self.port == 0:
             raise OSError(f"could not bind gRPC port {host}:{cfg.port}")
         warmup(cfg.chunker)
+        recovered = self.dataplane.recover()
+        if recovered:
+            logger.info("registry rebuilt from the tiers: %d chunks", recovered)
         await self.grpc.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if cfg.metrics_port >= 0:
@@ -282,6 +407,7 @@ class SidecarServer:
         self._stopped = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.stop(self.config.grace_period_s if grace is None else grace)
+        await asyncio.to_thread(self.dataplane.close)
         self.metrics.close()
         logger.info("kv-sidecar stopped")
 

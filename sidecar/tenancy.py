@@ -53,6 +53,9 @@ class Tenancy:
             raise InvalidArgument(f"{TENANT_HEADER}: invalid tenant id {tenant!r}")
         return tenant
 
+    def may_write_shared(self, tenant: str) -> bool:
+        return tenant in self._shared_writers
+
     def check_shared_write(self, tenant: str) -> None:
         if tenant not in self._shared_writers:
             raise PermissionDenied(f"shared: tenant {tenant!r} may not store into the shared scope")

@@ -123,8 +123,7 @@ class ChunkIndex:
                 continue
             a = bl[j]
             b = bl[j + 1]
-            if entry.tokens != data[4 * a : 4 * b]:
-                reg.stats.verify_failures += 1
+            if entry.tokens != data[4 * a : 4 * b] and not reg.verify(entry, data[4 * a : 4 * b]):
                 continue
             seg = a if a > epl else epl
             src = entry.source_pos

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NewType
 
+import xxhash
+
 ChunkHash = NewType("ChunkHash", int)
 
 #: Rough per-entry Python overhead (object, dict slot, bytes headers), counted in capacity.
@@ -33,8 +35,17 @@ class EntryState(str, Enum):
     RESIDENT = "resident"  # KV payload held by a tier: served to engines
 
 
+def token_digest(data: bytes | memoryview) -> bytes:
+    """Second, independent digest of a chunk's token bytes (xxh3-128), kept with stored KV so
+    entries recovered after a restart are verified before they are served."""
+    return xxhash.xxh3_128_digest(data)
+
+
 @dataclass(slots=True, eq=False)
 class ChunkEntry:
+    """One registered chunk. ``tokens`` may be empty for an entry recovered from a tier after a
+    restart: it is then verified by ``digest`` and adopts the tokens on its first verified hit."""
+
     key: ChunkHash
     scope: str
     tokens: bytes  # packed little-endian uint32
@@ -46,14 +57,25 @@ class ChunkEntry:
     hits: int = 0
     first_seen: float = field(default_factory=time.time)
     last_seen: float = 0.0
+    num_tokens: int = 0
+    digest: bytes = b""
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens) // 4
+    def __post_init__(self) -> None:
+        if not self.num_tokens:
+            self.num_tokens = len(self.tokens) // 4
 
     @property
     def nbytes(self) -> int:
-        return len(self.tokens) + len(self.left_context) + ENTRY_OVERHEAD_BYTES
+        return 4 * self.num_tokens + len(self.left_context) + ENTRY_OVERHEAD_BYTES
+
+    def matches(self, data: bytes) -> bool:
+        """Token verification: stored tokens, or the second digest for recovered entries."""
+        if self.tokens:
+            return self.tokens == data
+        if self.digest and len(data) == 4 * self.num_tokens and self.digest == token_digest(data):
+            self.tokens = bytes(data)
+            return True
+        return False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,10 +153,14 @@ class InMemoryRegistry:
 
     def verify(self, entry: ChunkEntry, tokens: bytes | memoryview) -> bool:
         """True when ``tokens`` equal the entry's stored tokens; counts mismatches."""
-        if entry.tokens == tokens:
+        if entry.matches(tokens):
             return True
         self.stats.verify_failures += 1
         return False
+
+    def entries(self) -> list[ChunkEntry]:
+        """All entries, least recently used first."""
+        return list(self._entries.values())
 
     def touch(self, entry: ChunkEntry) -> None:
         """Record a served hit: recency and hit count."""
@@ -154,7 +180,7 @@ class InMemoryRegistry:
         """
         old = self._entries.get(entry.key)
         if old is not None:
-            if old.tokens != entry.tokens:
+            if not old.matches(entry.tokens):
                 self.stats.verify_failures += 1
                 return False
             old.last_seen = time.time()

@@ -1,0 +1,390 @@
+"""The data plane: chunk KV in the tiered store, kept consistent with the registry.
+
+    Store(tokens, layout, payload parts)          Fetch(items = (hash, target_pos))
+      chunk tokens -> boundaries                    registry entry (scope-checked)
+      every part names a boundary; sizes checked    store.get_many (checksum-verified, promoted)
+      store.put per chunk (atomic, checksummed)     rotary parts rotated by target - source
+      registry entry -> RESIDENT (visible now)      (fp32 math, one rounding) unless raw
+
+Consistency rules (the registry always knows where a chunk's bytes are):
+
+* A registry entry is ``RESIDENT`` only while some tier holds its payload. Store events are
+  drained after every store call: a chunk evicted or lost from its last tier turns back into
+  ``OBSERVED`` (a miss for engines, never an error); demotions/promotions update ``tier``.
+* A registry entry evicted by the registry's own capacity limits takes its payload with it.
+* A Store that fails part-way (quota, capacity, a bad part) deletes what it stored itself and
+  registers nothing: the store and registry are as before the call.
+* Payloads carry ``aux`` metadata (source position, prefix digest, an xxh3-128 of the chunk's
+  tokens, left context), so a restart over a populated disk tier rebuilds the registry from
+  ``list_chunks`` and verifies recovered entries by the digest before serving them.
+
+Store and tier calls block (memory copies, file and Redis I/O), so they run in worker threads;
+the registry is only touched on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from sidecar.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from sidecar.identity import SHARED_SCOPE, CacheIdentity, KVLayout
+from sidecar.registry.index import ChunkIndex
+from sidecar.registry.registry import ChunkEntry, ChunkHash, EntryState, token_digest
+from sidecar.tiers import (
+    CapacityError,
+    ChunkMeta,
+    EventKind,
+    QuotaExceededError,
+    StoreConfig,
+    TieredStore,
+    Tier,
+    chunk_key,
+    decode_payload,
+)
+
+logger = logging.getLogger(__name__)
+
+_AUX = struct.Struct("<BxxxIQI16s")  # version, source_pos, prefix_digest, num_tokens, token digest
+_AUX_VERSION = 1
+_MAX_AUX_CONTEXT = 1024 - _AUX.size
+
+
+def encode_aux(entry: ChunkEntry) -> bytes:
+    ctx = entry.left_context[-(_MAX_AUX_CONTEXT // 4) * 4 :] if entry.left_context else b""
+    digest = entry.digest or token_digest(entry.tokens)
+    return _AUX.pack(_AUX_VERSION, entry.source_pos, entry.prefix_digest, entry.num_tokens, digest) + ctx
+
+
+def decode_aux(meta: ChunkMeta) -> ChunkEntry | None:
+    aux = meta.aux
+    if len(aux) < _AUX.size:
+        return None
+    version, src, prefix, ntok, digest = _AUX.unpack_from(aux)
+    if version != _AUX_VERSION or ntok != meta.num_tokens:
+        return None
+    return ChunkEntry(
+        key=ChunkHash(int.from_bytes(meta.key, "big")),
+        scope=meta.scope,
+        tokens=b"",
+        source_pos=src,
+        prefix_digest=prefix,
+        left_context=bytes(aux[_AUX.size :]),
+        state=EntryState.RESIDENT,
+        num_tokens=ntok,
+        digest=digest,
+    )
+
+
+@dataclass(slots=True)
+class StoreOutcome:
+    chunks_total: int
+    chunks_registered: int
+    chunks_refreshed: int
+    chunks_stored: int
+    bounds: tuple[int, ...]
+    stored_bytes: int = 0
+
+
+@dataclass(slots=True)
+class FetchResult:
+    """One Fetch item: ``payload`` (uint8 CPU tensor) is None for a miss."""
+
+    index: int
+    entry: ChunkEntry | None = None
+    payload: torch.Tensor | None = None
+    tier: str = ""
+    delta: int = 0
+    rotated: bool = False
+
+
+@dataclass(slots=True)
+class DataPlaneCounters:
+    fetched_chunks: int = 0
+    fetched_bytes: int = 0
+    fetch_misses: int = 0
+    stored_chunks: int = 0
+    stored_bytes: int = 0
+    rotated_bytes: int = 0
+    rotation_seconds: float = 0.0
+    events: dict[str, int] = field(default_factory=dict)
+
+
+class DataPlane:
+    def __init__(self, index: ChunkIndex, config: StoreConfig) -> None:
+        self.index = index
+        self.store = TieredStore(config)
+        self.counters = DataPlaneCounters()
+
+    # ------------------------------------------------------------------ consistency
+
+    def recover(self) -> int:
+        """Rebuild registry entries for chunks the tiers already hold (restart recovery)."""
+        reg = self.index.registry
+        n = 0
+        for meta in self.store.list_chunks():
+            entry = decode_aux(meta)
+            if entry is None:
+                logger.warning("chunk %s has no usable registry metadata; deleting it", meta.key.hex())
+                self.store.delete([meta.key])
+                continue
+            entry.tier = self._tier_of(meta.key)
+            if reg.insert(entry):
+                n += 1
+        self.sync()
+        if n:
+            logger.info("recovered %d chunks from the tiers", n)
+        return n
+
+    def _tier_of(self, key: bytes) -> str | None:
+        tier = self.store.locate(key)
+        return tier.value if tier is not None else None
+
+    def sync(self) -> None:
+        """Apply store events to the registry and registry evictions to the store."""
+        reg = self.index.registry
+        dropped: list[bytes] = []
+        for ev in reg.take_events():
+            dropped.append(chunk_key(ev.key))
+        if dropped:
+            self.store.delete(dropped)
+        counts = self.counters.events
+        for ev in self.store.take_events():
+            counts[ev.kind.value] = counts.get(ev.kind.value, 0) + 1
+            entry = reg.peek(int.from_bytes(ev.key, "big"))
+            if entry is None:
+                continue
+            if not ev.tiers_after or ev.kind is EventKind.DELETED:
+                entry.state = EntryState.OBSERVED
+                entry.tier = None
+            else:
+                entry.tier = min(ev.tiers_after, key=_TIER_RANK.__getitem__).value
+
+    # ------------------------------------------------------------------ store
+
+    async def store_payloads(
+        self,
+        tokens: np.ndarray,
+        data: bytes,
+        identity: CacheIdentity,
+        scope: str,
+        tenant: str,
+        layout: KVLayout,
+        payloads: dict[int, bytearray],
+        register_from: int,
+    ) -> StoreOutcome:
+        """Validate every payload against the chunking and layout, store them, then register.
+
+        All-or-nothing: on any refusal the chunks this call stored are deleted again."""
+        check_layout(identity, layout)
+        index = self.index
+        chunks = index.chunk(tokens, identity, (scope,))
+        bounds = chunks.bounds.tolist()
+        start_of = {a: c for c, a in enumerate(bounds[:-1]) if a >= register_from}
+        per_token = layout.bytes_per_token
+        for start, buf in payloads.items():
+            c = start_of.get(start)
+            if c is None:
+                raise InvalidArgument(
+                    f"payload.chunk_start: {start} is not a chunk boundary at or after register_from "
+                    f"(boundaries: {bounds[:8]}{'...' if len(bounds) > 8 else ''})"
+                )
+            expected = (bounds[c + 1] - start) * per_token
+            if len(buf) != expected:
+                raise InvalidArgument(
+                    f"payload.data: chunk at {start} has {len(buf)} bytes; layout x {bounds[c + 1] - start} tokens "
+                    f"needs {expected}"
+                )
+        # Entries (metadata) for every chunk past register_from, payload or not.
+        ctx = index.registry.config.left_context_tokens
+        keys = chunks.fingerprints[0].tolist()
+        prefix = chunks.prefix_digests.tolist()
+        entries: dict[int, ChunkEntry] = {}
+        for a, c in start_of.items():
+            b = bounds[c + 1]
+            piece = data[4 * a : 4 * b]
+            entries[a] = ChunkEntry(
+                key=ChunkHash(keys[c]), scope=scope, tokens=piece, source_pos=a, prefix_digest=prefix[c],
+                left_context=data[4 * max(0, a - ctx) : 4 * a] if ctx else b"", digest=token_digest(piece),
+            )
+        stored: list[bytes] = []
+        tiers: dict[int, str] = {}
+        try:
+            for start in sorted(payloads):
+                e = entries[start]
+                result = await asyncio.to_thread(
+                    self.store.put, chunk_key(e.key), payloads[start], layout=layout, num_tokens=e.num_tokens,
+                    tenant=tenant, scope=scope, source_position=e.source_pos, aux=encode_aux(e),
+                )
+                if result.stored:
+                    stored.append(result.key)
+                tiers[start] = result.tier.value
+        except QuotaExceededError as exc:
+            await self._rollback(stored)
+            raise ResourceExhausted(f"quota: {exc}") from exc
+        except CapacityError as exc:
+            await self._rollback(stored)
+            raise ResourceExhausted(f"capacity: {exc}") from exc
+        except BaseException:
+            await self._rollback(stored)
+            raise
+        # Register on the loop thread: visible to the very next Lookup.
+        reg = index.registry
+        registered = refreshed = 0
+        for start, e in entries.items():
+            old = reg.peek(e.key)
+            if start in tiers:
+                e.state = EntryState.RESIDENT
+                e.tier = tiers[start]
+                if old is not None and old.matches(e.tokens):
+                    old.state = EntryState.RESIDENT
+                    old.tier = tiers[start]
+            if reg.insert(e):
+                registered += 1
+            else:
+                refreshed += 1
+        self.sync()
+        nbytes = sum(len(payloads[s]) for s in tiers)
+        self.counters.stored_chunks += len(tiers)
+        self.counters.stored_bytes += nbytes
+        out_bounds = tuple(sorted(start_of)) + ((bounds[-1],) if start_of else ())
+        return StoreOutcome(len(entries), registered, refreshed, len(tiers), out_bounds, nbytes)
+
+    async def _rollback(self, keys: list[bytes]) -> None:
+        if keys:
+            await asyncio.to_thread(self.store.delete, keys)
+            self.store.take_events()
+
+    # ------------------------------------------------------------------ fetch
+
+    async def fetch(
+        self,
+        tenant: str,
+        identity: CacheIdentity,
+        layout: KVLayout,
+        rope,  # RopeSpec | None
+        items: Sequence[tuple[int, int]],
+        raw: bool,
+    ) -> list[FetchResult]:
+        """Payloads for ``items`` in order, rotated to their target positions unless ``raw``.
+
+        An item whose chunk is unknown, belongs to another scope, or whose bytes are gone is a
+        miss (``payload`` None). Nothing is changed except recency and promotions."""
+        check_layout(identity, layout)
+        reg = self.index.registry
+        results = [FetchResult(index=i) for i in range(len(items))]
+        wanted: list[tuple[int, ChunkEntry]] = []
+        for i, (h, target) in enumerate(items):
+            e = reg.peek(h)
+            if e is None or e.state is not EntryState.RESIDENT or e.scope not in (tenant, SHARED_SCOPE):
+                continue
+            results[i].entry = e
+            results[i].delta = target - e.source_pos
+            wanted.append((i, e))
+        if any(r.delta for r in results if r.entry is not None) and not raw:
+            if rope is None:
+                raise InvalidArgument("rope: required to rotate shifted chunks (or set raw)")
+            check_rope(identity, layout, rope)
+        fetched = await asyncio.to_thread(self.store.get_many, [chunk_key(e.key) for _, e in wanted]) if wanted else []
+        for (i, e), got in zip(wanted, fetched):
+            r = results[i]
+            if got is None or got.meta.num_tokens != e.num_tokens or got.meta.layout_fingerprint != layout.fingerprint():
+                r.entry = None
+                continue
+            r.payload = got.payload
+            r.tier = got.tier.value
+            reg.touch(e)
+        to_rotate = [r for r in results if r.payload is not None and r.delta and not raw]
+        if to_rotate:
+            self.counters.rotated_bytes += await asyncio.to_thread(_rotate_all, to_rotate, layout, rope, self.counters)
+        for r in results:
+            if r.payload is None:
+                self.counters.fetch_misses += 1
+            else:
+                self.counters.fetched_chunks += 1
+                self.counters.fetched_bytes += r.payload.numel()
+                r.rotated = bool(r.delta) and not raw
+        self.sync()
+        return results
+
+    # ------------------------------------------------------------------ operators
+
+    def owned_keys(self, tenant: str, hashes: Sequence[int], may_write_shared: bool) -> list[int]:
+        reg = self.index.registry
+        out = []
+        for h in hashes:
+            e = reg.peek(h)
+            if e is not None and (e.scope == tenant or (e.scope == SHARED_SCOPE and may_write_shared)):
+                out.append(h)
+        return out
+
+    async def evict(self, hashes: Sequence[int], tier: str) -> int:
+        keys = [chunk_key(h) for h in hashes]
+        if tier:
+            t = Tier(tier)
+            keys = [k for k in keys if t in self.store.tiers_of(k)]
+        n = await asyncio.to_thread(self.store.evict, keys) if keys else 0
+        self.sync()
+        return n
+
+    async def delete(self, hashes: Sequence[int]) -> int:
+        reg = self.index.registry
+        n = 0
+        for h in hashes:
+            if reg.delete(h):
+                n += 1
+        await asyncio.to_thread(self.store.delete, [chunk_key(h) for h in hashes])
+        reg.take_events()
+        self.sync()
+        return n
+
+    def close(self) -> None:
+        self.store.close()
+
+
+_TIER_RANK = {Tier.GPU: 0, Tier.CPU: 1, Tier.DISK: 2, Tier.REMOTE: 3}
+
+
+def check_layout(identity: CacheIdentity, layout: KVLayout) -> None:
+    fp = layout.fingerprint()
+    if identity.kv_layout != fp:
+        raise FailedPrecondition(
+            f"identity.kv_layout: {identity.kv_layout!r} does not match the layout's fingerprint {fp!r} "
+            "(payloads are only stored and served under an identity that names their layout)"
+        )
+
+
+def check_rope(identity: CacheIdentity, layout: KVLayout, rope) -> None:
+    if identity.rope_fingerprint and identity.rope_fingerprint != rope.fingerprint:
+        raise FailedPrecondition(
+            f"identity.rope_fingerprint: {identity.rope_fingerprint!r} does not match rope's fingerprint {rope.fingerprint!r}"
+        )
+    for part in layout.parts:
+        if part.rotary and part.shape[-1] != rope.key_dim:
+            raise InvalidArgument(
+                f"rope.key_dim: {rope.key_dim} does not match the last dim {part.shape[-1]} of rotary part {part.name!r}"
+            )
+
+
+def _rotate_all(results: list[FetchResult], layout: KVLayout, rope, counters: DataPlaneCounters) -> int:
+    """Rotate the rotary parts of each fetched payload in place by its delta (fp32 math)."""
+    import time
+
+    from sidecar.rotation import rotate_keys
+
+    t0 = time.perf_counter()
+    nbytes = 0
+    for r in results:
+        view = decode_payload(r.payload, layout, r.entry.num_tokens)
+        for part in view.rotary_parts():
+            rotate_keys(part.tensor, r.delta, rope, out=part.tensor)
+            nbytes += part.tensor.numel() * part.tensor.element_size()
+        view.write_back()
+    counters.rotation_seconds += time.perf_counter() - t0
+    return nbytes
