@@ -58,6 +58,10 @@ def store_cases(identity, rng):
         ("header", [], "no header"),
         ("header", [H(tokens=ok, identity=ident), H(tokens=ok, identity=ident)], "more than once"),
         ("header", [pb.StoreRequest(payload=pb.PayloadPart(data=b"x"))], "first Store message"),
+        ("header.layout", [H(tokens=ok, identity=ident), pb.StoreRequest(payload=pb.PayloadPart(data=b"x", last=True))],
+         "required when payload"),
+        ("payload.last", [H(tokens=ok, identity=ident), pb.StoreRequest(payload=pb.PayloadPart(data=b"x"))],
+         "never received"),
         ("msg", [H(tokens=ok, identity=ident), pb.StoreRequest()], "neither header nor payload"),
     ]
 
@@ -89,14 +93,6 @@ async def test_bad_stores_register_nothing(small_server, identity, rng):
             assert ei.value.details().startswith(field), (field, ei.value.details())
             assert words in ei.value.details(), (field, ei.value.details())
             assert len(server.index.registry) == 0, field
-        # Payload parts are not accepted yet: refused whole, nothing registered.
-        ident = identity_to_wire(identity)
-        msgs = [pb.StoreRequest(header=pb.StoreHeader(tokens=good_tokens(rng), identity=ident)),
-                pb.StoreRequest(payload=pb.PayloadPart(chunk_index=0, data=b"kv", last=True))]
-        with pytest.raises(grpc.aio.AioRpcError) as ei:
-            await stub.Store(iter(msgs))
-        assert ei.value.code() is grpc.StatusCode.UNIMPLEMENTED and "payload" in ei.value.details()
-        assert len(server.index.registry) == 0
         await stub.Ping(pb.PingRequest())
 
 
