@@ -70,7 +70,7 @@ class SidecarConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     max_fetch_items: int = 4096
-    fetch_part_bytes: int = 2 << 20
+    fetch_part_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -237,3 +237,20 @@ async def test_fetch_requires_layout(rng):
             assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT and ei.value.details().startswith("layout")
     finally:
         await server.stop(0.1)
+
+
+def test_fetch_frames_are_protobuf():
+    """Pre-encoded Fetch frames parse as the FetchResponse messages they stand for."""
+    from sidecar.server import fetch_frames
+    from sidecar.v1 import sidecar_pb2 as pb
+
+    payload = bytes(range(256)) * 41  # 10496 bytes -> 3 parts of 4096
+    meta = pb.FetchResponse(index=3, status=pb.CHUNK_STATUS_OK, num_tokens=12, source_pos=7, delta=-5,
+                            rotated=True, tier="cpu")
+    frames = [pb.FetchResponse.FromString(f) for f in fetch_frames(meta, memoryview(payload), 4096)]
+    assert [f.last for f in frames] == [False, False, True]
+    assert all(f.index == 3 for f in frames)
+    assert (frames[0].delta, frames[0].tier, frames[0].num_tokens, frames[0].rotated) == (-5, "cpu", 12, True)
+    assert b"".join(f.data for f in frames) == payload
+    big = list(fetch_frames(pb.FetchResponse(index=0), memoryview(bytes(300)), 1 << 20))
+    assert pb.FetchResponse.FromString(big[0]).data == bytes(300)  # multi-byte varint length

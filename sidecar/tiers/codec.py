@@ -122,9 +122,7 @@ def decode_payload(payload: object, layout: KVLayout, num_tokens: int) -> KVPayl
     buf = as_byte_tensor(payload)
     expected = payload_nbytes(layout, num_tokens)
     if buf.numel() != expected:
-        raise ValueError(
-            f"payload is {buf.numel()} bytes but kv_layout x num_tokens ({num_tokens}) needs {expected}"
-        )
+        raise ValueError(f"payload is {buf.numel()} bytes but kv_layout x num_tokens ({num_tokens}) needs {expected}")
     views: list[PartView] = []
     offset = 0
     for layer in range(layout.num_layers):

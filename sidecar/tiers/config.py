@@ -51,7 +51,7 @@ class RemoteEndpoint:
     password: str = ""
 
     @classmethod
-    def parse(cls, url: str) -> "RemoteEndpoint":
+    def parse(cls, url: str) -> RemoteEndpoint:
         parts = urlsplit(url)
         if parts.scheme not in ("redis", "valkey"):
             raise ValueError(f"remote_url must be redis://host:port, got scheme {parts.scheme!r}")
@@ -95,7 +95,7 @@ class StoreConfig:
     default_quota: TenantQuota = UNLIMITED
     promote_on_hit: bool = True
     verify_memory_reads: bool = True
-    io_timeout_s: float = 30.0
+    io_timeout_s: float = 5.0
     pin_wait_s: float = 0.5
     close_timeout_s: float = 5.0
     max_events: int = 65536

@@ -24,8 +24,7 @@ class QuotaExceededError(TierStoreError):
         self.used_bytes = used_bytes
         self.quota_bytes = quota_bytes
         super().__init__(
-            f"tenant {tenant!r} quota exceeded: requested {requested_bytes} B, "
-            f"used {used_bytes} B of {quota_bytes} B"
+            f"tenant {tenant!r} quota exceeded: requested {requested_bytes} B, used {used_bytes} B of {quota_bytes} B"
         )
 
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.l2_adapters import create_l2_adapter
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
@@ -144,8 +143,8 @@ class L2Driver:
         with self._cv:
             for tid in self._pending_stores:
                 self._stores[tid] = False
-            for tid, n in self._pending_loads.items():
-                self._loads[tid] = [False] * n
+            for tid in self._pending_loads:
+                self._loads[tid] = None
             for tid in self._pending_lookups:
                 self._lookups[tid] = None
             self._pending_stores.clear()
@@ -177,19 +176,19 @@ class L2Driver:
         ok = self._wait("store", tid, self._stores, timeout)
         return bool(ok)
 
-    def load(self, keys: Sequence[ObjectKey], bufs: Sequence[torch.Tensor], timeout: float) -> list[bool]:
-        """Read each key into its buffer (sizes must match exactly); per-key success."""
+    def load(self, keys: Sequence[ObjectKey], bufs: Sequence[torch.Tensor], timeout: float) -> list[bool] | None:
+        """Read each key into its buffer (sizes must match exactly); per-key success, or
+        ``None`` when the backend did not answer within ``timeout``."""
         if not keys:
             return []
         objs = [wrap_host_buffer(b) for b in bufs]
         with self._cv:
             if self._closed:
-                return [False] * len(keys)
+                return None
             tid = self._adapter.submit_load_task(list(keys), objs)
             self._pending_loads[tid] = len(keys)
             self._keepalive[("load", tid)] = objs
-        result = self._wait("load", tid, self._loads, timeout)
-        return result if result is not None else [False] * len(keys)
+        return self._wait("load", tid, self._loads, timeout)
 
     def exists(self, keys: Sequence[ObjectKey], timeout: float) -> list[bool] | None:
         """Per-key existence; ``None`` when the backend did not answer in time."""
@@ -217,7 +216,9 @@ class L2Driver:
         closer.start()
         closer.join(timeout)
         if closer.is_alive():
-            logger.warning("L2 adapter %s did not close within %.1f s; abandoned", type(self._adapter).__name__, timeout)
+            logger.warning(
+                "L2 adapter %s did not close within %.1f s; abandoned", type(self._adapter).__name__, timeout
+            )
             return False
         return True
 
@@ -272,6 +273,9 @@ class DiskTier:
         return self.path / f"{self._namespace}@0x{0:08x}@{_BODY:x}@{key.hex()}.data"
 
     def store(self, key: ChunkKey, obj: torch.Tensor) -> bool:
+        # fs_native reports success but keeps an existing file when a key is stored again, so a
+        # leftover (e.g. from a delete that timed out) would shadow the new bytes.
+        self.path_of(key).unlink(missing_ok=True)
         if not self._io.store([self._okey(key)], [obj], self._timeout):
             return False
         # File times are kernel-tick coarse; stamp a strictly increasing mtime so a restart
@@ -285,8 +289,12 @@ class DiskTier:
         return True
 
     def load_many(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[torch.Tensor | None]:
+        """Objects of ``keys`` (``None``: missing or unreadable); ``TimeoutError`` when the
+        disk did not answer in time (nothing is known to be lost)."""
         bufs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
         ok = self._io.load([self._okey(k) for k in keys], bufs, self._timeout)
+        if ok is None:
+            raise TimeoutError(f"disk read of {len(keys)} objects timed out")
         return [b if good else None for b, good in zip(bufs, ok)]
 
     def remove(self, keys: Sequence[ChunkKey]) -> None:
@@ -403,11 +411,16 @@ class RemoteTier:
         present = io.exists(okeys, self._timeout)
         if present is None:
             self._reconnect(io)
-            return [None] * len(okeys)
+            raise TimeoutError("remote EXISTS timed out")
         wanted = [i for i, p in enumerate(present) if p]
         bufs = {i: torch.empty(sizes[i], dtype=torch.uint8) for i in wanted}
         ok = io.load([okeys[i] for i in wanted], [bufs[i] for i in wanted], self._timeout)
-        if not all(ok):
+        if ok is None:
+            # A GET of a key that vanished after EXISTS hangs the RESP client: the connection is
+            # dead, and the key is most likely gone.
+            self._reconnect(io)
+            ok = [False] * len(wanted)
+        elif not all(ok):
             self._reconnect(io)  # vanished between EXISTS and GET, or a size mismatch
         out: list[torch.Tensor | None] = [None] * len(okeys)
         for i, good in zip(wanted, ok):
@@ -416,11 +429,16 @@ class RemoteTier:
         return out
 
     def load_many(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[torch.Tensor | None]:
+        """Objects of ``keys`` (``None``: not on the server); ``TimeoutError`` when the server
+        did not answer (the connection is replaced)."""
         return self._get([self._okey(k) for k in keys], sizes)
 
     def load_headers(self, keys: Sequence[ChunkKey]) -> list[ChunkMeta | None]:
         """Metadata of chunks this store has no record of (written by another sidecar)."""
-        bufs = self._get([self._okey(k, _HEADER) for k in keys], [HEADER_NBYTES] * len(keys))
+        try:
+            bufs = self._get([self._okey(k, _HEADER) for k in keys], [HEADER_NBYTES] * len(keys))
+        except TimeoutError:
+            return [None] * len(keys)
         out: list[ChunkMeta | None] = []
         for key, buf in zip(keys, bufs):
             meta = None

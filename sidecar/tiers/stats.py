@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
 
 from sidecar.tiers.events import Reason
 from sidecar.tiers.types import Tier
@@ -50,6 +50,7 @@ class StoreStats:
     io_errors: int
     events_dropped: int
     recovered_chunks: int
+    remote_reconnects: int
 
 
 @dataclass
@@ -92,6 +93,7 @@ class Counters:
         used: Mapping[Tier, int],
         objects: Mapping[Tier, int],
         events_dropped: int,
+        remote_reconnects: int,
     ) -> StoreStats:
         tiers = {
             tier: TierStats(
@@ -129,4 +131,5 @@ class Counters:
             io_errors=self.io_errors,
             events_dropped=events_dropped,
             recovered_chunks=self.recovered_chunks,
+            remote_reconnects=remote_reconnects,
         )

@@ -25,6 +25,7 @@ on the shared remote tier)::
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -107,6 +108,12 @@ def _host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+@functools.lru_cache(maxsize=256)
+def _layout_fingerprint(layout: KVLayout) -> str:
+    # KVLayout.fingerprint() JSON-encodes the layout on every call (~50 us); layouts are few.
+    return layout.fingerprint()
+
+
 def _check_key(key: object) -> ChunkKey:
     if not isinstance(key, (bytes, bytearray)):
         raise TypeError(f"key must be bytes, got {type(key).__name__}")
@@ -133,6 +140,8 @@ class TieredStore:
         self._cv = threading.Condition(self._lock)  # readers draining
         self._write_lock = threading.Lock()  # serializes every mutation of placement
         self._closed = False
+        self._active_reads = 0  # pins held by readers; close() waits for them before freeing pools
+        self._scratch: torch.Tensor | None = None
         self._events = EventBuffer(config.max_events)
         self._counters = Counters()
         self._mem: dict[Tier, MemoryTier] = {}
@@ -151,6 +160,9 @@ class TieredStore:
         self._tenant_used: Counter[tuple[str, Tier]] = Counter()
         self._tenant_bytes: Counter[str] = Counter()
         self._entries: dict[ChunkKey, _Entry] = {}
+        # Remote copies this store is deleting: not looked up as "foreign" chunks meanwhile (a
+        # RESP GET of a key deleted after its EXISTS hangs the connection until the timeout).
+        self._remote_removing: Counter[ChunkKey] = Counter()
         if self._disk is not None:
             self._recover()
 
@@ -213,12 +225,12 @@ class TieredStore:
     def locate(self, key: bytes) -> Tier | None:
         """The fastest tier holding ``key`` (``None``: not held, as far as this store knows)."""
         with self._lock:
-            e = self._entries.get(ChunkKey(bytes(key)))
+            e = self._entries.get(_check_key(key))
             return e.fastest() if e is not None else None
 
     def tiers_of(self, key: bytes) -> frozenset[Tier]:
         with self._lock:
-            e = self._entries.get(ChunkKey(bytes(key)))
+            e = self._entries.get(_check_key(key))
             return e.tiers() if e is not None else frozenset()
 
     def contains(self, key: bytes) -> bool:
@@ -226,7 +238,7 @@ class TieredStore:
 
     def meta(self, key: bytes) -> ChunkMeta | None:
         with self._lock:
-            e = self._entries.get(ChunkKey(bytes(key)))
+            e = self._entries.get(_check_key(key))
             return e.meta if e is not None else None
 
     def list_chunks(self, tier: Tier | None = None) -> list[ChunkMeta]:
@@ -254,6 +266,7 @@ class TieredStore:
                 used=self._used,
                 objects={t: len(lru) for t, lru in self._lru.items()},
                 events_dropped=self._events.dropped,
+                remote_reconnects=self._remote.reconnects if self._remote is not None else 0,
             )
 
     # ------------------------------------------------------------------ public API: put
@@ -305,7 +318,7 @@ class TieredStore:
             key=key,
             tenant=tenant,
             scope=scope,
-            layout_fingerprint=layout.fingerprint(),
+            layout_fingerprint=_layout_fingerprint(layout),
             num_tokens=num_tokens,
             payload_nbytes=expected,
             source_position=source_position,
@@ -360,34 +373,34 @@ class TieredStore:
             self._counters.quota_refusals += 1
             raise QuotaExceededError(tenant=tenant, requested_bytes=nbytes, used_bytes=used, quota_bytes=limit)
 
-    def _placements(self, obj_nbytes: int, tenant: str, deadline: float | None = None) -> list[Tier]:
+    def _placements(self, obj_nbytes: int, tenant: str) -> list[Tier]:
         """Tiers a new object may go to, fastest first: it fits the tier (and the tenant's share
         of it) and enough unpinned bytes could be demoted out of the way. Index lock held."""
-        if deadline is None:
-            deadline = time.monotonic() + self._config.pin_wait_s
+        deadline = time.monotonic() + self._config.pin_wait_s
         per_tier = self._config.quota_for(tenant).max_bytes_per_tier
-        out = []
-        for tier in self._chain:
-            fp = self._footprint(tier, obj_nbytes)
-            share = per_tier.get(tier)
-            if fp > self._capacity[tier] or (share is not None and fp > share):
-                continue
-            if self._reclaimable(tier, fp, tenant):
-                out.append(tier)
-        if not out and any(self._pinned_bytes(t) for t in self._chain) and self._wait_unpin(deadline):
-            return self._placements(obj_nbytes, tenant, deadline)
-        if not out:
-            self._counters.capacity_refusals += 1
-            tier = next((t for t in self._chain if self._footprint(t, obj_nbytes) <= self._capacity[t]), None)
-            raise CapacityError(
-                tier=tier,
-                requested_bytes=obj_nbytes,
-                used_bytes=self._used[tier] if tier is not None else 0,
-                capacity_bytes=self._capacity[tier] if tier is not None else max(self._capacity.values()),
-                pinned_bytes=self._pinned_bytes(tier) if tier is not None else 0,
-                reason="pinned by readers" if tier is not None else "larger than any tier",
-            )
-        return out
+        while True:
+            out = []
+            for tier in self._chain:
+                fp = self._footprint(tier, obj_nbytes)
+                share = per_tier.get(tier)
+                if fp > self._capacity[tier] or (share is not None and fp > share):
+                    continue
+                if self._reclaimable(tier, fp, tenant):
+                    out.append(tier)
+            if out:
+                return out
+            if not any(self._pinned_bytes(t) for t in self._chain) or not self._wait_unpin(deadline):
+                break
+        self._counters.capacity_refusals += 1
+        tier = next((t for t in self._chain if self._footprint(t, obj_nbytes) <= self._capacity[t]), None)
+        raise CapacityError(
+            tier=tier,
+            requested_bytes=obj_nbytes,
+            used_bytes=self._used[tier] if tier is not None else 0,
+            capacity_bytes=self._capacity[tier] if tier is not None else max(self._capacity.values()),
+            pinned_bytes=self._pinned_bytes(tier) if tier is not None else 0,
+            reason="pinned by readers" if tier is not None else "larger than any tier",
+        )
 
     def _reclaimable(self, tier: Tier, fp: int, tenant: str) -> bool:
         """Whether demoting unpinned chunks (LRU first) could make ``fp`` bytes of room."""
@@ -440,9 +453,13 @@ class TieredStore:
                 raise
             self._mem[tier].commit(key)
         else:
-            host = torch.empty(obj_nbytes, dtype=torch.uint8)
+            host = self._scratch_buffer(obj_nbytes)
             meta = self._encode_into(host, meta, payload)
-            self._write_object(tier, key, host)
+            try:
+                self._write_object(tier, key, host)
+            except _IOFailure:
+                self._scratch = None  # a timed-out write may still read it: never reuse
+                raise
         with self._lock:
             e = _Entry(meta=meta, obj_nbytes=obj_nbytes)
             self._entries[key] = e
@@ -452,6 +469,13 @@ class TieredStore:
             c.puts += 1
             c.put_bytes += meta.payload_nbytes
             c.tiers[tier].write_bytes += obj_nbytes
+
+    def _scratch_buffer(self, nbytes: int) -> torch.Tensor:
+        """A host buffer for encoding objects bound for the GPU, disk or remote tier, reused
+        across puts (writers are serialized, and each write completes before the next)."""
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes]
 
     def _publish(self, e: _Entry) -> bool:
         """Give ``e`` a remote copy (best effort; False when there is no remote or it failed)."""
@@ -490,9 +514,11 @@ class TieredStore:
     def get_many(self, keys: Sequence[bytes], *, promote: bool | None = None) -> list[FetchedChunk | None]:
         """Payloads of ``keys`` in order; ``None`` for a miss (absent, lost, corrupt: never an
         error). Every payload is checksum-verified. Disk and remote reads are batched into one
-        LMCache task each. A hit below the fastest tier is promoted (``promote`` overrides
-        ``config.promote_on_hit``) unless a writer is busy; a key this store never saw is looked
-        up on the remote tier (another sidecar may have published it).
+        LMCache task each. A key this store never saw is looked up on the remote tier (another
+        sidecar may have published it). Hits below the fastest tier are then promoted on the
+        calling thread (``promote`` overrides ``config.promote_on_hit``; this may demote other
+        chunks to disk), unless another writer holds the store, in which case promotion is
+        skipped rather than waited for.
         """
         keys = [_check_key(k) for k in keys]
         promote = self._config.promote_on_hit if promote is None else promote
@@ -506,7 +532,7 @@ class TieredStore:
                 e = self._entries.get(key)
                 tier = e.fastest() if e is not None else None
                 if e is None or tier is None:
-                    if self._remote is not None:
+                    if self._remote is not None and key not in self._remote_removing:
                         foreign.append(i)
                     continue
                 self._pin(e, tier)
@@ -519,10 +545,10 @@ class TieredStore:
                 if e.remote and tier != Tier.REMOTE and self._entries.get(e.key) is e:
                     self._pin(e, Tier.REMOTE)
                     retry.append((i, e, Tier.REMOTE))
-        for i, e, tier, reason in self._read(retry, results, objects):
+        for _, e, tier, reason in self._read(retry, results, objects):
             self._lose(e, tier, reason)
         fetched_foreign = self._read_foreign([keys[i] for i in foreign])
-        for i, (chunk, obj) in zip(foreign, fetched_foreign):
+        for i, (chunk, obj) in zip(foreign, fetched_foreign, strict=True):
             if chunk is not None:
                 results[i] = chunk
                 objects[i] = obj
@@ -543,9 +569,11 @@ class TieredStore:
 
     def _pin(self, e: _Entry, tier: Tier) -> None:
         e.readers[tier] = e.readers.get(tier, 0) + 1
+        self._active_reads += 1
         self._touch(e, tier)
 
     def _unpin(self, e: _Entry, tier: Tier) -> None:
+        self._active_reads -= 1
         n = e.readers[tier] - 1
         if n:
             e.readers[tier] = n
@@ -573,12 +601,21 @@ class TieredStore:
                     batches.setdefault(tier, []).append((i, e))
             for tier, items in batches.items():
                 backend = self._backend(tier)
-                objs = backend.load_many([e.key for _, e in items], [e.obj_nbytes for _, e in items])
+                try:
+                    objs = backend.load_many([e.key for _, e in items], [e.obj_nbytes for _, e in items])
+                except TimeoutError:
+                    # Slow, not lost: these are misses this time and nothing is removed.
+                    logger.warning("%s read of %d chunks timed out", tier.value, len(items))
+                    with self._lock:
+                        self._counters.io_errors += 1
+                    continue
                 for (i, e), obj in zip(items, objs):
                     if obj is None:
                         missing = tier == Tier.REMOTE or not self._disk.path_of(e.key).exists()
                         failed.append((i, e, tier, Reason.MISSING if missing else Reason.CORRUPTION))
                     elif not self._object_ok(obj, e.meta):
+                        if tier == Tier.REMOTE:
+                            self._remote.suspect()
                         failed.append((i, e, tier, Reason.CORRUPTION))
                     else:
                         results[i] = FetchedChunk(e.meta, tier, obj[HEADER_NBYTES:])
@@ -593,10 +630,8 @@ class TieredStore:
     def _read_memory(self, tier: Tier, e: _Entry) -> torch.Tensor | None:
         mem = self._mem[tier]
         view = mem.acquire(e.key)
-        assert view is not None, (
-            f"{tier.value} tier lost {e.key.hex()} while the index held it pinned; this indicates a "
-            "bug in the store's placement bookkeeping"
-        )
+        if view is None:  # only after a writer gave up waiting for this reader (logged there)
+            return None
         try:
             body = view[HEADER_NBYTES:]
             out = torch.empty(e.meta.payload_nbytes, dtype=torch.uint8)
@@ -636,6 +671,7 @@ class TieredStore:
             if obj is None:
                 continue
             if not self._object_ok(obj, m):
+                self._remote.suspect()
                 with self._lock:
                     self._counters.checksum_failures += 1
                 continue
@@ -660,7 +696,7 @@ class TieredStore:
         with self._lock:
             e = self._entries.get(key)
             if e is None:
-                if r.tier != Tier.REMOTE:
+                if r.tier != Tier.REMOTE or key in self._remote_removing:
                     return
                 quota = self._config.quota_for(r.meta.tenant).max_bytes
                 if quota is not None and self._tenant_bytes[r.meta.tenant] + r.meta.payload_nbytes > quota:
@@ -670,7 +706,7 @@ class TieredStore:
                 self._entries[key] = e
                 self._tenant_bytes[e.tenant] += r.meta.payload_nbytes
                 self._attach(e, Tier.REMOTE)
-            if e.moving or e.fastest() != r.tier:
+            if e.moving or e.fastest() != r.tier or e.meta != r.meta:
                 return
             fp = self._footprint(top, e.obj_nbytes)
             share = self._config.quota_for(e.tenant).max_bytes_per_tier.get(top)
@@ -726,14 +762,18 @@ class TieredStore:
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove chunks from every tier, the remote copy included (waits for in-flight reads of
-        them). Idempotent; returns how many were held."""
+        them). Keys this store does not know are still deleted from the remote tier (another
+        sidecar, or this one before a restart, may have published them). Idempotent; returns
+        how many chunks this store held."""
         keys = [_check_key(k) for k in keys]
         removed = 0
+        unknown: list[ChunkKey] = []
         with self._writer():
             for key in keys:
                 with self._lock:
                     e = self._entries.get(key)
                     if e is None:
+                        unknown.append(key)
                         continue
                     held = e.tiers()
                     fastest = e.fastest()
@@ -744,29 +784,44 @@ class TieredStore:
                 for tier in held:
                     self._drain_and_remove(e, tier)
                 removed += 1
+            if unknown and self._remote is not None:
+                with self._lock:
+                    self._remote_removing.update(unknown)
+                try:
+                    if not self._remote.remove(unknown):
+                        logger.error("remote delete of %d unknown chunks could not be confirmed", len(unknown))
+                finally:
+                    with self._lock:
+                        self._remote_removing.subtract(unknown)
+                        for key in unknown:
+                            if self._remote_removing[key] <= 0:
+                                del self._remote_removing[key]
         return removed
 
     def close(self) -> None:
-        """Release every backend; bounded by ``config.close_timeout_s`` per backend (a hung
-        remote is abandoned, not waited for). Idempotent."""
+        """Release every backend; bounded by ``config.close_timeout_s`` per step (a hung remote
+        is abandoned, not waited for). Calls after close raise ``TierUnavailableError``; reads
+        in flight finish first, and if they do not the memory pools are leaked rather than freed
+        under them. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            drained = self._cv.wait_for(lambda: self._active_reads == 0, timeout=self._config.close_timeout_s)
         acquired = self._write_lock.acquire(timeout=self._config.close_timeout_s)
         try:
-            self._close_backends()
+            self._close_backends(free_memory=drained and acquired)
         finally:
             if acquired:
                 self._write_lock.release()
 
-    def __enter__(self) -> "TieredStore":
+    def __enter__(self) -> TieredStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _close_backends(self) -> None:
+    def _close_backends(self, free_memory: bool = True) -> None:
         timeout = self._config.close_timeout_s
         # Each LMCache adapter joins its demux thread (up to 0.5 s); close them side by side.
         closers = [
@@ -778,6 +833,9 @@ class TieredStore:
             t.start()
         for t in closers:
             t.join(timeout + 1.0)
+        if not free_memory:
+            logger.error("tiered store closed with operations in flight: memory pools not freed")
+            return
         for mem in self._mem.values():
             mem.close()
 
@@ -820,6 +878,7 @@ class TieredStore:
         """Forget the copy of ``e`` in ``tier`` (the bytes are removed separately)."""
         if tier == Tier.REMOTE:
             e.remote = False
+            self._remote_removing[e.key] += 1  # until _drain_and_remove has deleted it
         else:
             assert e.local == tier, f"{e.key.hex()} is in {e.local}, not {tier}; placement bug"
             e.local = None
@@ -931,7 +990,10 @@ class TieredStore:
             finally:
                 mem.release(e.key)
             return
-        (obj,) = self._backend(src).load_many([e.key], [e.obj_nbytes])
+        try:
+            (obj,) = self._backend(src).load_many([e.key], [e.obj_nbytes])
+        except TimeoutError as exc:
+            raise _IOFailure(str(exc)) from exc
         if obj is None or not self._object_ok(obj, e.meta):
             raise _SourceLost(src)
         self._write_object(dst, e.key, obj)
@@ -1033,9 +1095,14 @@ class TieredStore:
             self._disk.remove([e.key])
         else:
             assert self._remote is not None
-            if not self._remote.remove([e.key]):
-                with self._lock:
+            confirmed = self._remote.remove([e.key])
+            with self._lock:
+                self._remote_removing[e.key] -= 1
+                if not self._remote_removing[e.key]:
+                    del self._remote_removing[e.key]
+                if not confirmed:
                     self._counters.io_errors += 1
+            if not confirmed:
                 logger.error("remote delete of %s could not be confirmed", e.key.hex())
 
     def _recover(self) -> None:
@@ -1064,7 +1131,9 @@ class TieredStore:
                 over.append(e)
         if over:
             self._disk.remove([e.key for e in over])
-        logger.info("disk tier recovered %d chunks (%d corrupt removed, %d over capacity)", len(files), corrupt, len(over))
+        logger.info(
+            "disk tier recovered %d chunks (%d corrupt removed, %d over capacity)", len(files), corrupt, len(over)
+        )
 
 
 class _SourceLost(Exception):
