@@ -75,6 +75,7 @@ class KVLayout:
 
     num_layers: int
     parts: tuple[KVPart, ...]
+    _fingerprint: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_layers <= 0:
@@ -85,13 +86,16 @@ class KVLayout:
         if len(set(names)) != len(names):
             raise ValueError(f"kv_layout.parts names must be unique, got {names}")
         object.__setattr__(self, "parts", tuple(self.parts))
+        canon = {"num_layers": self.num_layers, "parts": [asdict(p) for p in self.parts]}
+        object.__setattr__(self, "_fingerprint", xxhash.xxh64_hexdigest(json.dumps(canon, sort_keys=True).encode()))
 
     @property
     def bytes_per_token(self) -> int:
         return self.num_layers * sum(p.bytes_per_token for p in self.parts)
 
     def fingerprint(self) -> str:
-        return xxhash.xxh64_hexdigest(json.dumps(asdict(self), sort_keys=True).encode())
+        """Stable across processes and hosts (computed once)."""
+        return self._fingerprint
 
     @classmethod
     def gqa(cls, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str = "bfloat16") -> "KVLayout":

@@ -13,6 +13,7 @@ client needs the exact size and fails a GET into a differently sized buffer).
 
 from __future__ import annotations
 
+import enum
 import fcntl
 import logging
 import os
@@ -223,6 +224,13 @@ class L2Driver:
         return True
 
 
+class LoadFailure(enum.Enum):
+    """Why an object tier returned no object for a key."""
+
+    MISSING = "missing"  # not there: deleted, evicted, never written
+    UNREADABLE = "unreadable"  # there, but not readable as the expected object
+
+
 @dataclass(frozen=True, slots=True)
 class DiskFile:
     """A stored object found on disk at startup (header verified, payload not yet)."""
@@ -288,14 +296,18 @@ class DiskTier:
             pass  # recency is a hint; the object is stored
         return True
 
-    def load_many(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[torch.Tensor | None]:
-        """Objects of ``keys`` (``None``: missing or unreadable); ``TimeoutError`` when the
-        disk did not answer in time (nothing is known to be lost)."""
+    def load_many(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[torch.Tensor | LoadFailure]:
+        """Objects of ``keys`` or why not (``MISSING``: no file, ``UNREADABLE``: a file that
+        could not be read in full, e.g. truncated); ``TimeoutError`` when the disk did not
+        answer in time (nothing is known to be lost)."""
         bufs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
         ok = self._io.load([self._okey(k) for k in keys], bufs, self._timeout)
         if ok is None:
             raise TimeoutError(f"disk read of {len(keys)} objects timed out")
-        return [b if good else None for b, good in zip(bufs, ok)]
+        return [
+            b if good else (LoadFailure.UNREADABLE if self.path_of(k).exists() else LoadFailure.MISSING)
+            for k, b, good in zip(keys, bufs, ok, strict=True)
+        ]
 
     def remove(self, keys: Sequence[ChunkKey]) -> None:
         self._io.delete([self._okey(k) for k in keys])
@@ -403,8 +415,13 @@ class RemoteTier:
             self._reconnect(io)
         return ok
 
-    def _get(self, okeys: list[ObjectKey], sizes: Sequence[int]) -> list[torch.Tensor | None]:
-        """EXISTS, then GET of the present keys only, into buffers of exactly ``sizes``."""
+    def _get(self, okeys: list[ObjectKey], sizes: Sequence[int]) -> list[torch.Tensor | LoadFailure]:
+        """EXISTS, then GET of the present keys only, into buffers of exactly ``sizes``.
+
+        One bad object in a batch desyncs the connection for the GETs queued behind it, so keys
+        that fail in a batch are retried one by one, each on a fresh connection (EXISTS first
+        again): only a key that fails alone is ``UNREADABLE``.
+        """
         if not okeys:
             return []
         io = self._io
@@ -412,25 +429,34 @@ class RemoteTier:
         if present is None:
             self._reconnect(io)
             raise TimeoutError("remote EXISTS timed out")
+        out: list[torch.Tensor | LoadFailure] = [LoadFailure.MISSING] * len(okeys)
         wanted = [i for i, p in enumerate(present) if p]
         bufs = {i: torch.empty(sizes[i], dtype=torch.uint8) for i in wanted}
         ok = io.load([okeys[i] for i in wanted], [bufs[i] for i in wanted], self._timeout)
         if ok is None:
-            # A GET of a key that vanished after EXISTS hangs the RESP client: the connection is
-            # dead, and the key is most likely gone.
-            self._reconnect(io)
-            ok = [False] * len(wanted)
-        elif not all(ok):
-            self._reconnect(io)  # vanished between EXISTS and GET, or a size mismatch
-        out: list[torch.Tensor | None] = [None] * len(okeys)
-        for i, good in zip(wanted, ok):
+            ok = [False] * len(wanted)  # the GET hung: a key vanished after EXISTS
+        retry = []
+        for i, good in zip(wanted, ok, strict=True):
             if good:
                 out[i] = bufs[i]
+            else:
+                retry.append(i)
+        for i in retry:
+            self._reconnect(io)
+            io = self._io
+            again = io.exists([okeys[i]], self._timeout)
+            if not again:  # gone (or no answer): a miss, not a corrupt object
+                continue
+            result = io.load([okeys[i]], [bufs[i]], self._timeout)
+            out[i] = bufs[i] if result == [True] else LoadFailure.UNREADABLE
+        if retry and out[retry[-1]] is LoadFailure.UNREADABLE:
+            self._reconnect(io)
         return out
 
-    def load_many(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[torch.Tensor | None]:
-        """Objects of ``keys`` (``None``: not on the server); ``TimeoutError`` when the server
-        did not answer (the connection is replaced)."""
+    def load_many(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[torch.Tensor | LoadFailure]:
+        """Objects of ``keys`` or why not (``MISSING``: not on the server, ``UNREADABLE``: there
+        but not of the expected size); ``TimeoutError`` when the server did not answer (the
+        connection is replaced)."""
         return self._get([self._okey(k) for k in keys], sizes)
 
     def load_headers(self, keys: Sequence[ChunkKey]) -> list[ChunkMeta | None]:
@@ -440,9 +466,9 @@ class RemoteTier:
         except TimeoutError:
             return [None] * len(keys)
         out: list[ChunkMeta | None] = []
-        for key, buf in zip(keys, bufs):
+        for key, buf in zip(keys, bufs, strict=True):
             meta = None
-            if buf is not None:
+            if isinstance(buf, torch.Tensor):
                 try:
                     meta = parse_header(buf)
                 except CorruptChunkError as exc:

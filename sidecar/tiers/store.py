@@ -52,7 +52,7 @@ from sidecar.tiers.envelope import (
 )
 from sidecar.tiers.errors import CapacityError, QuotaExceededError, TierUnavailableError
 from sidecar.tiers.events import EventBuffer, EventKind, Reason, TierEvent
-from sidecar.tiers.l2_tiers import DiskTier, RemoteTier
+from sidecar.tiers.l2_tiers import DiskTier, LoadFailure, RemoteTier
 from sidecar.tiers.memory_tiers import CpuTier, DeviceTier, MemoryTier
 from sidecar.tiers.stats import Counters, StoreStats
 from sidecar.tiers.types import MAX_KEY_BYTES, TIER_ORDER, ChunkKey, ChunkMeta, FetchedChunk, PutResult, Tier
@@ -609,10 +609,10 @@ class TieredStore:
                     with self._lock:
                         self._counters.io_errors += 1
                     continue
-                for (i, e), obj in zip(items, objs):
-                    if obj is None:
-                        missing = tier == Tier.REMOTE or not self._disk.path_of(e.key).exists()
-                        failed.append((i, e, tier, Reason.MISSING if missing else Reason.CORRUPTION))
+                for (i, e), obj in zip(items, objs, strict=True):
+                    if isinstance(obj, LoadFailure):
+                        reason = Reason.MISSING if obj is LoadFailure.MISSING else Reason.CORRUPTION
+                        failed.append((i, e, tier, reason))
                     elif not self._object_ok(obj, e.meta):
                         if tier == Tier.REMOTE:
                             self._remote.suspect()
@@ -667,8 +667,8 @@ class TieredStore:
         if not found:
             return out
         objs = self._remote.load_many([m.key for _, m in found], [object_nbytes(m.payload_nbytes) for _, m in found])
-        for (i, m), obj in zip(found, objs):
-            if obj is None:
+        for (i, m), obj in zip(found, objs, strict=True):
+            if isinstance(obj, LoadFailure):
                 continue
             if not self._object_ok(obj, m):
                 self._remote.suspect()
@@ -994,7 +994,7 @@ class TieredStore:
             (obj,) = self._backend(src).load_many([e.key], [e.obj_nbytes])
         except TimeoutError as exc:
             raise _IOFailure(str(exc)) from exc
-        if obj is None or not self._object_ok(obj, e.meta):
+        if isinstance(obj, LoadFailure) or not self._object_ok(obj, e.meta):
             raise _SourceLost(src)
         self._write_object(dst, e.key, obj)
 

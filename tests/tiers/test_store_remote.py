@@ -1,0 +1,131 @@
+"""Remote tier (LMCache RESP adapter on a real Redis): sharing, eviction, delete, resync."""
+
+from __future__ import annotations
+
+import torch
+
+from sidecar.identity import KVLayout
+from sidecar.tiers import EventKind, Reason, Tier
+from sidecar.tiers.envelope import HEADER_NBYTES
+from tests.tiers.conftest import NUM_TOKENS, key, make_payload
+
+
+def _put(store, i: int, layout: KVLayout, size: int, **kw):
+    return store.put(key(i), make_payload(i, size), layout=layout, num_tokens=NUM_TOKENS, tenant="a", **kw)
+
+
+def _remote_keys(client, namespace: str) -> list[bytes]:
+    return sorted(client.keys(f"{namespace}@*"))
+
+
+def test_remote_round_trip(make_store, redis_url, redis_client, namespace, layout: KVLayout, payload_size: int) -> None:
+    store = make_store(cpu_bytes=0, remote_url=redis_url, remote_bytes=1 << 20)
+    assert store.tiers == (Tier.REMOTE,)
+    res = _put(store, 1, layout, payload_size)
+    assert (res.tier, res.published) == (Tier.REMOTE, True)
+    got = store.get(key(1))
+    assert got.tier == Tier.REMOTE and torch.equal(got.payload, make_payload(1, payload_size))
+    assert len(_remote_keys(redis_client, namespace)) == 2  # object + header copy
+    assert store.get(key(2)) is None
+    assert store.stats().tiers[Tier.REMOTE].hits == 1
+
+
+def test_published_chunk_is_served_to_another_sidecar(
+    make_store, redis_url, layout: KVLayout, payload_size: int, obj_size: int
+) -> None:
+    producer = make_store(cpu_bytes=1 << 20, remote_url=redis_url, remote_bytes=1 << 20)
+    res = _put(producer, 1, layout, payload_size, publish=True)
+    assert (res.tier, res.published) == (Tier.CPU, True)
+    assert producer.tiers_of(key(1)) == {Tier.CPU, Tier.REMOTE}
+
+    consumer = make_store(cpu_bytes=1 << 20, remote_url=redis_url, remote_bytes=1 << 20)
+    assert consumer.locate(key(1)) is None
+    got = consumer.get(key(1))  # never seen here: header copy, then the object
+    assert got.tier == Tier.REMOTE and torch.equal(got.payload, make_payload(1, payload_size))
+    assert got.meta == producer.meta(key(1))
+    (ev,) = consumer.take_events()
+    assert (ev.kind, ev.source, ev.target) == (EventKind.PROMOTED, Tier.REMOTE, Tier.CPU)
+    assert ev.tiers_after == {Tier.CPU, Tier.REMOTE}  # the shared copy stays for other sidecars
+    assert consumer.get(key(1)).tier == Tier.CPU
+    assert consumer.tenant_usage("a") == payload_size
+
+
+def test_demotion_to_remote_then_eviction(
+    make_store, redis_url, redis_client, namespace, layout: KVLayout, payload_size: int, obj_size: int
+) -> None:
+    store = make_store(cpu_bytes=obj_size, remote_url=redis_url, remote_bytes=2 * obj_size)
+    for i in range(4):
+        _put(store, i, layout, payload_size)
+    assert [(e.kind, e.key, e.source, e.target) for e in store.take_events()] == [
+        (EventKind.DEMOTED, key(0), Tier.CPU, Tier.REMOTE),
+        (EventKind.DEMOTED, key(1), Tier.CPU, Tier.REMOTE),
+        (EventKind.EVICTED, key(0), Tier.REMOTE, None),
+        (EventKind.DEMOTED, key(2), Tier.CPU, Tier.REMOTE),
+    ]
+    assert _remote_keys(redis_client, namespace) == sorted(
+        f"{namespace}@00000000@{group}@{key(i).hex()}".encode() for i in (1, 2) for group in (0, 1)
+    )  # chunks 1 and 2: the object (group 0) and its header copy (group 1)
+    assert store.get(key(0)) is None
+    assert torch.equal(store.get(key(1), promote=False).payload, make_payload(1, payload_size))
+
+
+def test_delete_removes_the_remote_copy(
+    make_store, redis_url, redis_client, namespace, layout: KVLayout, payload_size: int
+) -> None:
+    store = make_store(cpu_bytes=1 << 20, remote_url=redis_url, remote_bytes=1 << 20)
+    _put(store, 1, layout, payload_size, publish=True)
+    assert len(_remote_keys(redis_client, namespace)) == 2
+    assert store.delete([key(1)]) == 1
+    assert _remote_keys(redis_client, namespace) == []
+    other = make_store(cpu_bytes=1 << 20, remote_url=redis_url, remote_bytes=1 << 20)
+    assert other.get(key(1)) is None
+    # A store that never saw a published chunk can still purge it (e.g. a "forget" request).
+    _put(store, 2, layout, payload_size, publish=True)
+    assert other.delete([key(2)]) == 0
+    assert _remote_keys(redis_client, namespace) == []
+    assert store.locate(key(2)) == Tier.CPU  # the producer's local copy is its own business
+
+
+def test_remote_bytes_gone_behind_our_back_is_a_miss_and_the_connection_recovers(
+    make_store, redis_url, redis_client, namespace, layout: KVLayout, payload_size: int
+) -> None:
+    # LMCache's RESP client breaks its connection on a GET of a missing key or a size mismatch;
+    # the store must turn both into misses, not lose the good chunk queued behind them on the same
+    # connection (one worker: one connection), and keep serving.
+    store = make_store(cpu_bytes=0, remote_url=redis_url, remote_bytes=1 << 20, remote_workers=1)
+    for i in range(3):
+        _put(store, i, layout, payload_size)
+    body = lambda i: f"{namespace}@00000000@0@{key(i).hex()}".encode()
+    assert redis_client.delete(body(0)) == 1
+    redis_client.set(body(1), b"short")  # same key, wrong size
+    got = store.get_many([key(0), key(1), key(2)])
+    assert got[0] is None and got[1] is None
+    assert torch.equal(got[2].payload, make_payload(2, payload_size))
+    lost = {e.key: e.reason for e in store.take_events()}
+    assert lost == {key(0): Reason.MISSING, key(1): Reason.CORRUPTION}
+    assert store.stats().remote_reconnects >= 1
+    # Still healthy afterwards: new writes and reads go through.
+    _put(store, 3, layout, payload_size)
+    assert torch.equal(store.get(key(3)).payload, make_payload(3, payload_size))
+    assert torch.equal(store.get(key(2)).payload, make_payload(2, payload_size))
+
+
+def test_lost_local_copy_falls_back_to_the_remote_copy(
+    make_store, redis_url, layout: KVLayout, payload_size: int
+) -> None:
+    store = make_store(cpu_bytes=1 << 20, remote_url=redis_url, remote_bytes=1 << 20)
+    _put(store, 1, layout, payload_size, publish=True)
+    cpu = store._mem[Tier.CPU]
+    view = cpu.acquire(key(1))
+    view[HEADER_NBYTES] ^= 0x01
+    cpu.release(key(1))
+    got = store.get(key(1), promote=False)
+    assert got.tier == Tier.REMOTE and torch.equal(got.payload, make_payload(1, payload_size))
+    (ev,) = store.take_events()
+    assert (ev.kind, ev.source, ev.reason, ev.tiers_after) == (
+        EventKind.LOST,
+        Tier.CPU,
+        Reason.CORRUPTION,
+        frozenset({Tier.REMOTE}),
+    )
+    assert store.locate(key(1)) == Tier.REMOTE
