@@ -254,3 +254,37 @@ def test_fetch_frames_are_protobuf():
     assert b"".join(f.data for f in frames) == payload
     big = list(fetch_frames(pb.FetchResponse(index=0), memoryview(bytes(300)), 1 << 20))
     assert pb.FetchResponse.FromString(big[0]).data == bytes(300)  # multi-byte varint length
+
+
+async def test_corrupted_disk_chunk_is_a_miss_and_metrics(rng, tmp_path):
+    import urllib.request
+    from pathlib import Path
+
+    disk = tmp_path / "kv"
+    server, target = await start(cpu_bytes=256 << 10, disk_path=str(disk), disk_bytes=64 * MiB)
+    toks, _ = conversation(rng, 60)
+    try:
+        async with SidecarClient(target, tenant="a") as c:
+            _, pl = await store_all(c, toks)
+            plan = await c.lookup(toks, identity=IDENT)
+            on_disk = [h for h in plan.hits()]
+            files = [p for p in Path(disk).rglob("*") if p.is_file() and p.stat().st_size > 4096]
+            assert files, "expected demoted chunks on disk"
+            for f in files:  # truncate every payload file on disk
+                with open(f, "r+b") as fh:
+                    fh.truncate(f.stat().st_size // 2)
+            fetched = await c.fetch([(h.chunk_hash, h.start) for h in on_disk], identity=IDENT, layout=LAYOUT, rope=SPEC)
+            ok = [f for f in fetched if f.ok]
+            missed = [f for f in fetched if not f.ok]
+            assert missed and all(f.tier == "cpu" for f in ok)  # corrupt files are misses, not errors
+            check_rotated(ok, pl)
+            replan = await c.lookup(toks, identity=IDENT)
+            assert not {f.chunk_hash for f in missed} & {s.chunk_hash for s in replan.hits()}
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5) as r:
+                body = r.read().decode()
+            assert 'kv_sidecar_tier_bytes{tier="cpu"}' in body and 'kv_sidecar_tier_objects{tier="disk"}' in body
+            assert "kv_sidecar_fetch_bytes_total" in body and "kv_sidecar_store_bytes_total" in body
+            losses = [ln for ln in body.splitlines() if ln.startswith("kv_sidecar_tier_losses_total{")]
+            assert losses and sum(float(ln.rsplit(" ", 1)[1]) for ln in losses) >= len(missed)
+    finally:
+        await server.stop(0.1)
