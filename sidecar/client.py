@@ -22,7 +22,7 @@ import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -79,7 +79,7 @@ class FetchedKV:
     delta: int = 0
     rotated: bool = False
     tier: str = ""
-    data: bytes = b""
+    data: bytearray = field(default_factory=bytearray)
 
 
 #: Payload bytes per Store/Fetch message (gRPC messages stay well under the 64 MiB limit).
@@ -140,26 +140,102 @@ def _fetch_request(
     return req
 
 
+FETCH_METHOD = "/sidecar.v1.KVSidecar/Fetch"
+
+
+@dataclass(slots=True)
+class _FetchFrame:
+    """A FetchResponse decoded without copying ``data`` (a memoryview into the received frame)."""
+
+    index: int = 0
+    status: int = 0
+    num_tokens: int = 0
+    source_pos: int = 0
+    delta: int = 0
+    rotated: bool = False
+    tier: str = ""
+    data: memoryview = memoryview(b"")
+    last: bool = False
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, pos
+        shift += 7
+
+
+def parse_fetch_frame(frame: bytes) -> _FetchFrame:
+    """Decode a FetchResponse (standard protobuf wire format, any field order) with its payload
+    left in place: multi-MiB parts are not copied by a protobuf parse and a field access."""
+    buf = memoryview(frame)
+    out = _FetchFrame()
+    pos, n = 0, len(buf)
+    while pos < n:
+        tag, pos = _read_varint(buf, pos)
+        field, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value, pos = _read_varint(buf, pos)
+            if field == 1:
+                out.index = value
+            elif field == 2:
+                out.status = value
+            elif field == 3:
+                out.num_tokens = value
+            elif field == 4:
+                out.source_pos = value
+            elif field == 5:
+                out.delta = (value >> 1) ^ -(value & 1)  # sint64 zigzag
+            elif field == 6:
+                out.rotated = bool(value)
+            elif field == 9:
+                out.last = bool(value)
+        elif wire == 2:
+            size, pos = _read_varint(buf, pos)
+            if field == 7:
+                out.tier = bytes(buf[pos : pos + size]).decode()
+            elif field == 8:
+                out.data = buf[pos : pos + size]
+            pos += size
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        else:
+            raise ValueError(f"FetchResponse: unsupported wire type {wire}")
+    return out
+
+
 class _FetchAssembler:
-    """Joins a Fetch response stream into ``FetchedKV`` results, in item order."""
+    """Joins a Fetch response stream into ``FetchedKV`` results, in item order; each payload is
+    copied once, into a writable buffer the caller owns."""
 
     def __init__(self, items: Sequence[tuple[int, int]]) -> None:
         self.items = items
         self.out: list[FetchedKV] = []
-        self._first: pb.FetchResponse | None = None
-        self._parts: list[bytes] = []
+        self._first: _FetchFrame | None = None
+        self._parts: list[memoryview] = []
 
-    def feed(self, msg: pb.FetchResponse) -> None:
+    def feed(self, msg: _FetchFrame) -> None:
         if self._first is None:
             self._first = msg
         self._parts.append(msg.data)
         if msg.last:
             f = self._first
+            data = bytearray(sum(len(p) for p in self._parts))
+            off = 0
+            for p in self._parts:
+                data[off : off + len(p)] = p
+                off += len(p)
             self.out.append(
                 FetchedKV(
                     index=f.index, chunk_hash=self.items[f.index][0], ok=f.status == pb.CHUNK_STATUS_OK,
                     num_tokens=f.num_tokens, source_pos=f.source_pos, delta=f.delta, rotated=f.rotated, tier=f.tier,
-                    data=self._parts[0] if len(self._parts) == 1 else b"".join(self._parts),
+                    data=data,
                 )
             )
             self._first = None
@@ -227,6 +303,9 @@ class SidecarClient:
     ) -> None:
         self._channel = grpc.aio.insecure_channel(target, options=[*_CHANNEL_OPTIONS, *channel_options])
         self._stub = pb_grpc.KVSidecarStub(self._channel)
+        self._fetch = self._channel.unary_stream(
+            FETCH_METHOD, request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=parse_fetch_frame
+        )
         self._metadata = _headers(tenant, token)
         self._timeout = timeout_s
         self._retry = retry
@@ -322,7 +401,7 @@ class SidecarClient:
 
         async def run() -> list[FetchedKV]:
             asm = _FetchAssembler(items)
-            async for msg in self._stub.Fetch(req, metadata=self._metadata, timeout=self._timeout):
+            async for msg in self._fetch(req, metadata=self._metadata, timeout=self._timeout):
                 asm.feed(msg)
             return asm.out
 
@@ -368,6 +447,9 @@ class SyncSidecarClient:
     ) -> None:
         self._channel = grpc.insecure_channel(target, options=[*_CHANNEL_OPTIONS, *channel_options])
         self._stub = pb_grpc.KVSidecarStub(self._channel)
+        self._fetch = self._channel.unary_stream(
+            FETCH_METHOD, request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=parse_fetch_frame
+        )
         self._metadata = _headers(tenant, token)
         self._timeout = timeout_s
         self._retry = retry
@@ -423,7 +505,7 @@ class SyncSidecarClient:
 
         def run() -> list[FetchedKV]:
             asm = _FetchAssembler(items)
-            for msg in self._stub.Fetch(req, metadata=self._metadata, timeout=self._timeout):
+            for msg in self._fetch(req, metadata=self._metadata, timeout=self._timeout):
                 asm.feed(msg)
             return asm.out
 

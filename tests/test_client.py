@@ -73,3 +73,18 @@ def test_status_mapping_round_trip():
     assert status_for(ValueError("x: y"))[0] is grpc.StatusCode.INVALID_ARGUMENT
     assert status_for(KeyError("boom"))[0] is grpc.StatusCode.INTERNAL
     assert error_for_status(grpc.StatusCode.UNAVAILABLE, "down").transient
+
+
+def test_parse_fetch_frame_matches_protobuf():
+    from sidecar.client import parse_fetch_frame
+    from sidecar.v1 import sidecar_pb2 as pb
+
+    for delta in (0, 1, -1, 250, -100_000, 2**40):
+        msg = pb.FetchResponse(index=7, status=pb.CHUNK_STATUS_OK, num_tokens=128, source_pos=99, delta=delta,
+                               rotated=True, tier="disk", data=bytes(range(200)) * 3, last=True)
+        f = parse_fetch_frame(msg.SerializeToString())
+        assert (f.index, f.status, f.num_tokens, f.source_pos, f.delta, f.rotated, f.tier, f.last) == (
+            7, pb.CHUNK_STATUS_OK, 128, 99, delta, True, "disk", True)
+        assert bytes(f.data) == msg.data
+    empty = parse_fetch_frame(pb.FetchResponse(index=2, status=pb.CHUNK_STATUS_MISS, last=True).SerializeToString())
+    assert (empty.index, empty.status, empty.last, len(empty.data)) == (2, pb.CHUNK_STATUS_MISS, True, 0)
