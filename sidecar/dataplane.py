@@ -215,6 +215,7 @@ class DataPlane:
             )
         stored: list[bytes] = []
         tiers: dict[int, str] = {}
+        held: dict[int, ChunkEntry] = {}  # chunks the tiers already held: their copy stays canonical
         try:
             for start in sorted(payloads):
                 e = entries[start]
@@ -224,6 +225,11 @@ class DataPlane:
                 )
                 if result.stored:
                     stored.append(result.key)
+                else:
+                    meta = self.store.meta(result.key)
+                    canonical = decode_aux(meta) if meta is not None else None
+                    if canonical is not None:
+                        held[start] = canonical
                 tiers[start] = result.tier.value
         except QuotaExceededError as exc:
             await self._rollback(stored)
@@ -240,9 +246,22 @@ class DataPlane:
         for start, e in entries.items():
             old = reg.peek(e.key)
             if start in tiers:
+                canonical = held.get(start)
+                if canonical is not None:
+                    # The tiers kept an earlier copy: the entry must describe where THAT copy was
+                    # computed, or Fetch would rotate it by the wrong delta.
+                    e.source_pos, e.prefix_digest, e.left_context = (
+                        canonical.source_pos, canonical.prefix_digest, canonical.left_context
+                    )
                 e.state = EntryState.RESIDENT
                 e.tier = tiers[start]
-                if old is not None and old.matches(e.tokens):
+                if old is not None and old.matches(e.tokens) and (
+                    old.state is not EntryState.RESIDENT or canonical is not None
+                ):
+                    # An OBSERVED entry may have been registered at another position: the payload
+                    # just stored (or the one the tiers held) is the canonical copy now.
+                    old.source_pos, old.prefix_digest, old.left_context = e.source_pos, e.prefix_digest, e.left_context
+                    old.digest = e.digest
                     old.state = EntryState.RESIDENT
                     old.tier = tiers[start]
             if reg.insert(e):

@@ -288,3 +288,28 @@ async def test_corrupted_disk_chunk_is_a_miss_and_metrics(rng, tmp_path):
             assert losses and sum(float(ln.rsplit(" ", 1)[1]) for ln in losses) >= len(missed)
     finally:
         await server.stop(0.1)
+
+
+async def test_payload_for_a_chunk_observed_elsewhere_takes_the_payload_position(rng):
+    """A chunk first registered metadata-only at one position, then stored with KV computed at
+    another position, must be served (rotated) from where its KV was computed."""
+    server, target = await start()
+    body = message(rng, 300, ANCHORS[1])
+    t1 = np.concatenate([message(rng, 100), body]).astype(np.uint32)
+    t2 = np.concatenate([message(rng, 150), body]).astype(np.uint32)
+    t3 = np.concatenate([message(rng, 60), body]).astype(np.uint32)
+    try:
+        async with SidecarClient(target, tenant="a") as c:
+            await c.store(t1, identity=IDENT)  # observed at 101
+            meta = await c.store(t2, identity=IDENT, register_from=151)
+            pl = payloads_for(meta.chunk_bounds)
+            await c.store(t2, identity=IDENT, layout=LAYOUT, payloads=pl, register_from=151)  # KV computed at 151
+            plan = await c.lookup(t3, identity=IDENT)
+            hits = plan.hits()
+            assert hits and all(h.delta == 61 - 151 for h in hits)
+            fetched = await c.fetch([(h.chunk_hash, h.start - h.chunk_offset) for h in hits], identity=IDENT,
+                                    layout=LAYOUT, rope=SPEC)
+            assert all(f.source_pos >= 151 for f in fetched)
+            check_rotated(fetched, pl)
+    finally:
+        await server.stop(0.1)

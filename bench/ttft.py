@@ -1,0 +1,485 @@
+"""TTFT benchmark (issue 5): time to first token with real forward passes, three cache arms.
+
+The reference engine (``clients.transformers``) serves every request of a workload three ways,
+on one model, in one run (arm order rotates per request so drift hits every arm alike)::
+
+    cache_off      full prefill every time
+    exact_prefix   the engine's own exact-prefix cache (16-token blocks, like vLLM APC)
+    sidecar        own prefix cache + KV Sidecar: Lookup -> Fetch (server-side rotation) ->
+                   assemble -> prefill the gaps -> Store after the first token
+
+TTFT is request start to first-token logits on the engine (Lookup, Fetch, rotation, cache
+assembly and prefill included; Store and decode come after the first token and are reported
+separately). The sidecar runs in its own process (``kv-sidecar serve``, as deployed); its
+server-side rotation time is read from its Prometheus counter ``kv_sidecar_rotation_seconds``
+around each request, so the Fetch time splits into transfer and rotation.
+
+Model: Llama architecture, 4 layers, hidden 512, 8 heads / 2 KV heads, fp32, random weights,
+vocabulary of the offline tokenizer (prefill dominates on the 2-core machines). Attention is
+``kvs_sdpa`` (SDPA flash kernels with the cached prefix and the new block split), so a prefill
+after a prefix hit pays no explicit-mask penalty: the exact-prefix baseline is not handicapped.
+Workloads (bench/workloads, rendered with the offline chat template): agent_meta with headers
+50..2000 tokens before an ~8K-token body (the tau-bench policy and tools plus longer reference
+notes than the recovery benchmark's, so the body is ~8K), sysvar, rerank, message-edit replay,
+and real traces (tau-bench as recorded: append-only; mini-swe with the truncation policy).
+Statistics use the requests after each workload's first (which no cache can serve).
+
+Goals (issue 5): agent_meta[H=1000] sidecar TTFT p50 <= 0.35x exact-prefix; sidecar overhead
+(Lookup + Fetch + rotation + assembly) <= 10% of the prefill time it saves there; on the
+append-only trace the sidecar is at most 5% slower than exact-prefix (median of the per-request
+ratios: both arms prefill the same tokens there, so the pairing removes request-size spread).
+Short-prompt workloads (sysvar, rerank, edit replay, traces) are measured twice per request and
+arm, the faster run counting (the extra run Stores nothing and leaves the caches as they were).
+
+Run: ``python -m bench.ttft`` (~10 minutes on 2 cores), ``--quick`` for a smoke run.
+Writes bench/results/ttft.json and bench/results/ttft.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import socket
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ARMS = ("cache_off", "exact_prefix", "sidecar")
+GOAL_AGENT_META_RATIO = 0.35
+GOAL_OVERHEAD_FRACTION = 0.10
+GOAL_APPEND_ONLY_SLOWDOWN = 1.05
+MAIN_WORKLOAD = "agent_meta[H=1000]"
+APPEND_ONLY = "trace:tau_bench"
+
+
+# ---------------------------------------------------------------------------------------------
+# Workloads
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchWorkload:
+    label: str
+    requests: tuple[np.ndarray, ...]
+    append_only: bool = False
+    description: str = ""
+    repeats: int = 1  # measurements per request and arm (the fastest counts): short prompts are noisy
+
+
+def long_notes_pool(pool, docs_per_note: int):
+    """The same text pool with each reference document replaced by ``docs_per_note`` joined
+    ones, so agent_meta's body (policy + tools + two notes) grows from ~4.5K to ~8K tokens."""
+    docs = pool.documents
+    joined = tuple(
+        "\n\n".join(docs[(i + j) % len(docs)] for j in range(docs_per_note)) for i in range(0, len(docs), docs_per_note)
+    )
+    return dataclasses.replace(pool, documents=joined)
+
+
+#: agent_meta's header sits at tokens [3, 3 + H): after "<|im_start|><|system|>\n".
+HEADER_START = 3
+
+
+def trim_header(tokens: np.ndarray, header_tokens: int, cut: int) -> np.ndarray:
+    """An agent_meta prompt with the last ``cut`` tokens of its ``header_tokens``-token header
+    removed: everything after the header moves by ``-cut`` (agent_meta's headers all have the
+    same length, so without this the shared body would sit at the same position in every
+    request and no rotation would ever run)."""
+    end = HEADER_START + header_tokens
+    return np.concatenate([tokens[: end - cut], tokens[end:]]).astype(np.uint32)
+
+
+def build_workloads(args: argparse.Namespace, template) -> list[BenchWorkload]:
+    from bench.workloads import TextPool, TruncateOldToolOutputs, agent_meta, edit_replay, rerank, sysvar, trace_workload
+
+    pool = TextPool.load()
+    long_pool = long_notes_pool(pool, 5)
+    n = args.requests
+    out: list[BenchWorkload] = []
+    headers = (1000,) if args.quick else (50, 250, 1000, 2000)
+    for h in headers:
+        k = n + 2 if h == 1000 else n
+        w = agent_meta(long_pool, template, header_tokens=h, n_requests=k, seed=args.seed)
+        rng = np.random.default_rng([args.seed, h, 7])
+        cuts = rng.integers(0, min(64, h // 2) + 1, size=k)
+        reqs = tuple(trim_header(r, h, int(c)) for r, c in zip(w.requests, cuts))
+        out.append(BenchWorkload(label=w.label, requests=reqs, description=w.description.replace(
+            "~4.5K", "~8K").replace(f"unique {h}-token header", f"unique header of {h} minus 0..{min(64, h // 2)} tokens")))
+    if not args.quick:
+        # Two topics (not rerank's default 12) so a handful of requests already repeats documents.
+        for w in (sysvar(pool, template, n_requests=n, seed=args.seed),
+                  rerank(pool, template, n_topics=2, n_requests=n, seed=args.seed)):
+            out.append(BenchWorkload(label=w.label, requests=w.requests, description=w.description, repeats=2))
+        w = edit_replay(pool, template, calls_per_pass=4, n_requests=8, seed=args.seed)
+        out.append(BenchWorkload(label=w.label, requests=w.requests, description=w.description, repeats=2))
+    calls = 4 if args.quick else args.trace_calls
+    w = trace_workload("tau_bench", template, limit=1)
+    out.append(BenchWorkload(label=APPEND_ONLY, requests=w.requests[:calls], append_only=True, repeats=2,
+                             description=f"first {calls} calls of a tau-bench trajectory as recorded (append-only)"))
+    if not args.quick:
+        w = trace_workload("mini_swe", template, limit=1, policy=TruncateOldToolOutputs())
+        reqs = w.requests[8 : 8 + calls]  # calls 8.. have long enough prompts (2.7K-4.4K tokens)
+        out.append(BenchWorkload(label="trace:mini_swe[truncated]", requests=reqs, repeats=2,
+                                 description=f"{calls} calls of a mini-swe trajectory, old tool outputs truncated"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+# ---------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RotationMeter:
+    """Server-side rotation seconds, from the sidecar's Prometheus counter."""
+
+    _RE = re.compile(r"^kv_sidecar_rotation_seconds(?:_total)? (\S+)$", re.M)
+
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}/metrics"
+
+    def read(self) -> float:
+        with urllib.request.urlopen(self.url, timeout=5) as r:
+            m = self._RE.search(r.read().decode())
+        return float(m.group(1)) if m else 0.0
+
+
+@dataclass(slots=True)
+class Record:
+    workload: str
+    request: int
+    arm: str
+    tokens: int
+    ttft_s: float
+    prefix_tokens: int
+    exact_tokens: int
+    shifted_tokens: int
+    prefill_tokens: int
+    prefix_s: float
+    lookup_s: float
+    fetch_s: float
+    rotation_s: float
+    assemble_s: float
+    prefill_s: float
+    store_s: float
+    fetch_bytes: int
+
+
+def policies():
+    from clients.transformers import CACHE_OFF, EXACT_PREFIX, SIDECAR
+
+    return {"cache_off": CACHE_OFF, "exact_prefix": EXACT_PREFIX, "sidecar": SIDECAR}
+
+
+def run_workload(model, weights_hash: str, client, meter: RotationMeter | None, w: BenchWorkload,
+                 *, prefix_cache_bytes: int) -> list[Record]:
+    from clients.transformers import Engine, PrefixCache
+
+    ns = f"ttft-{w.label}-{uuid.uuid4().hex[:8]}"
+    pol = policies()
+    engines = {
+        arm: Engine(model, sidecar=client if arm == "sidecar" else None, namespace=ns, reuse=pol[arm],
+                    prefix_cache=PrefixCache(capacity_bytes=prefix_cache_bytes), weights_hash=weights_hash)
+        for arm in ARMS
+    }
+    out = []
+    for i, tokens in enumerate(w.requests):
+        order = ARMS[i % 3 :] + ARMS[: i % 3]
+        for arm in order:
+            best = None
+            # Extra measurements first, without Store or prefix-cache insert, so every run of
+            # this arm sees the same cache state; the last one is the real request.
+            for rep in range(w.repeats):
+                last = rep == w.repeats - 1
+                before = meter.read() if (meter and arm == "sidecar") else 0.0
+                r = engines[arm].prefill(tokens, reuse=None if last else dataclasses.replace(pol[arm], store=False))
+                rot = (meter.read() - before) if (meter and arm == "sidecar") else 0.0
+                t = r.timings
+                if best is None or t.ttft_s < best[0].timings.ttft_s:
+                    best = (r, rot)
+                if last:
+                    store_s = t.store_s
+            r, rot = best
+            t = r.timings
+            out.append(Record(
+                workload=w.label, request=i, arm=arm, tokens=len(tokens), ttft_s=t.ttft_s,
+                prefix_tokens=r.prefix_tokens, exact_tokens=r.exact_tokens, shifted_tokens=r.shifted_tokens,
+                prefill_tokens=r.prefill_tokens, prefix_s=t.prefix_s, lookup_s=t.lookup_s, fetch_s=t.fetch_s,
+                rotation_s=rot, assemble_s=t.assemble_s, prefill_s=t.prefill_s, store_s=store_s,
+                fetch_bytes=r.fetch_bytes,
+            ))
+        by_arm = {rec.arm: rec for rec in out[-3:]}
+        print(f"  {w.label} #{i}: {len(tokens)} tok  " + "  ".join(
+            f"{a} {by_arm[a].ttft_s * 1e3:7.0f} ms" for a in ARMS), file=sys.stderr, flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Summary:
+    workload: str
+    requests: int  # measured (all but the first)
+    mean_tokens: float
+    ttft_p50_ms: dict[str, float] = field(default_factory=dict)
+    ttft_p99_ms: dict[str, float] = field(default_factory=dict)
+    recovered_pct: dict[str, float] = field(default_factory=dict)
+    ratio_sidecar_exact: float = 0.0  # p50 / p50
+    ratio_sidecar_exact_median: float = 0.0  # median of per-request ratios
+    breakdown_ms: dict[str, float] = field(default_factory=dict)  # sidecar arm, means
+    prefill_saved_ms: float = 0.0
+    overhead_fraction: float | None = None
+    append_only: bool = False
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def summarize(w: BenchWorkload, records: Sequence[Record]) -> Summary:
+    warm = [r for r in records if r.request >= 1] or list(records)
+    by = {a: [r for r in warm if r.arm == a] for a in ARMS}
+    s = Summary(workload=w.label, requests=len(by["sidecar"]), mean_tokens=float(np.mean([r.tokens for r in by["sidecar"]])),
+                append_only=w.append_only)
+    for a in ARMS:
+        t = np.array([r.ttft_s for r in by[a]]) * 1e3
+        s.ttft_p50_ms[a] = float(np.percentile(t, 50))
+        s.ttft_p99_ms[a] = float(np.percentile(t, 99))
+        s.recovered_pct[a] = 100.0 * sum(r.prefix_tokens + r.exact_tokens + r.shifted_tokens for r in by[a]) / max(
+            1, sum(r.tokens for r in by[a]))
+    s.ratio_sidecar_exact = s.ttft_p50_ms["sidecar"] / s.ttft_p50_ms["exact_prefix"]
+    s.ratio_sidecar_exact_median = float(np.median(
+        [sc.ttft_s / ex.ttft_s for sc, ex in zip(by["sidecar"], by["exact_prefix"])]))
+    sc = by["sidecar"]
+    mean = lambda xs: float(np.mean(xs)) * 1e3  # noqa: E731
+    s.breakdown_ms = {
+        "lookup": mean([r.lookup_s for r in sc]),
+        "fetch_transfer": mean([max(0.0, r.fetch_s - r.rotation_s) for r in sc]),
+        "rotation": mean([r.rotation_s for r in sc]),
+        "assembly": mean([r.assemble_s for r in sc]),
+        "prefix_copy": mean([r.prefix_s for r in sc]),
+        "prefill": mean([r.prefill_s for r in sc]),
+        "store_after_ttft": mean([r.store_s for r in sc]),
+    }
+    s.breakdown_ms["overhead"] = s.breakdown_ms["lookup"] + mean([r.fetch_s for r in sc]) + s.breakdown_ms["assembly"]
+    s.prefill_saved_ms = mean([r.prefill_s for r in by["exact_prefix"]]) - s.breakdown_ms["prefill"]
+    if s.prefill_saved_ms > 1.0:
+        s.overhead_fraction = s.breakdown_ms["overhead"] / s.prefill_saved_ms
+    return s
+
+
+def format_tables(summaries: Sequence[Summary]) -> str:
+    lines = []
+    head = (f"{'workload':<26} {'n':>2} {'tokens':>6} | {'TTFT p50 / p99 (ms)':^20} {'':>20} {'':>20} | "
+            f"{'sidecar/exact':>13} | {'recovered %':^17}")
+    sub = (f"{'':<26} {'':>2} {'':>6} | {'cache_off':>20} {'exact_prefix':>20} {'sidecar':>20} | "
+           f"{'p50 (median)':>13} | {'exact':>7} {'sidecar':>9}")
+    lines += [head, sub, "-" * len(sub)]
+    for s in summaries:
+        cells = " ".join(f"{s.ttft_p50_ms[a]:>9.0f} / {s.ttft_p99_ms[a]:>8.0f}" for a in ARMS)
+        lines.append(
+            f"{s.workload:<26} {s.requests:>2} {s.mean_tokens:>6.0f} | {cells} | "
+            f"{s.ratio_sidecar_exact:>5.2f} ({s.ratio_sidecar_exact_median:>4.2f}) | "
+            f"{s.recovered_pct['exact_prefix']:>7.1f} {s.recovered_pct['sidecar']:>9.1f}"
+        )
+    lines.append("")
+    head = (f"{'sidecar overhead (ms)':<26} {'lookup':>7} {'fetch':>7} {'rotate':>7} {'assemble':>8} {'overhead':>8} | "
+            f"{'prefill':>8} {'saved':>8} {'overhead/saved':>14} | {'store*':>7}")
+    lines += [head, "-" * len(head)]
+    for s in summaries:
+        b = s.breakdown_ms
+        frac = "-" if s.overhead_fraction is None else f"{s.overhead_fraction:.1%}"
+        lines.append(
+            f"{s.workload:<26} {b['lookup']:>7.1f} {b['fetch_transfer']:>7.1f} {b['rotation']:>7.1f} "
+            f"{b['assembly']:>8.1f} {b['overhead']:>8.1f} | {b['prefill']:>8.0f} {s.prefill_saved_ms:>8.0f} "
+            f"{frac:>14} | {b['store_after_ttft']:>7.1f}"
+        )
+    lines.append("(fetch = transfer only; rotate = server-side rotation from the sidecar's metrics; "
+                 "saved = exact_prefix prefill - sidecar prefill; *store runs after the first token)")
+    return "\n".join(lines)
+
+
+def goals(summaries: Sequence[Summary]) -> dict:
+    by = {s.workload: s for s in summaries}
+    out = {}
+    m = by.get(MAIN_WORKLOAD)
+    if m is not None:
+        out["agent_meta_ratio"] = {"value": m.ratio_sidecar_exact, "goal": f"<= {GOAL_AGENT_META_RATIO}",
+                                   "met": m.ratio_sidecar_exact <= GOAL_AGENT_META_RATIO}
+        f = m.overhead_fraction
+        out["overhead_fraction"] = {"value": f, "goal": f"<= {GOAL_OVERHEAD_FRACTION}",
+                                    "met": f is not None and f <= GOAL_OVERHEAD_FRACTION}
+    for s in summaries:
+        if s.append_only:
+            # Paired per request (same prompt, same prefix hit, same tokens prefilled): the p50s of
+            # two arms can come from different requests of very different sizes.
+            out[f"append_only:{s.workload}"] = {
+                "value": s.ratio_sidecar_exact_median, "p50_ratio": s.ratio_sidecar_exact,
+                "sidecar_overhead_ms": s.breakdown_ms["overhead"],
+                "goal": f"median per-request sidecar/exact <= {GOAL_APPEND_ONLY_SLOWDOWN}",
+                "met": s.ratio_sidecar_exact_median <= GOAL_APPEND_ONLY_SLOWDOWN}
+    return out
+
+
+def plot(records: Sequence[Record], labels: Sequence[str], path: Path, title: str = "") -> Path | None:
+    """TTFT per request (turn) for the three arms, one panel per workload. None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return None
+    cols = min(3, len(labels))
+    rows = -(-len(labels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.4 * rows), squeeze=False)
+    style = {"cache_off": ("tab:gray", "o"), "exact_prefix": ("tab:blue", "s"), "sidecar": ("tab:green", "^")}
+    for ax, label in zip(axes.flat, labels):
+        for arm in ARMS:
+            rs = sorted((r for r in records if r.workload == label and r.arm == arm), key=lambda r: r.request)
+            c, mk = style[arm]
+            ax.plot([r.request for r in rs], [r.ttft_s * 1e3 for r in rs], marker=mk, color=c, label=arm, lw=1.2, ms=4)
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("request (turn)", fontsize=8)
+        ax.set_ylabel("TTFT (ms)", fontsize=8)
+        ax.set_ylim(bottom=0)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(labels):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def bench_model(args: argparse.Namespace):
+    import torch
+
+    from clients.transformers import FAST_ATTENTION, build_model, llama_config
+
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    cfg = llama_config(hidden_size=args.hidden, num_layers=args.layers, num_heads=args.hidden // 64,
+                       num_kv_heads=max(1, args.hidden // 256), intermediate_size=3 * args.hidden)
+    return build_model(cfg, seed=0, attn_implementation=FAST_ATTENTION, device=args.device)
+
+
+def sidecar_flags(template, cpu_bytes: int, metrics_port: int) -> list[str]:
+    anchors = ",".join(str(a) for a in template.anchor_token_ids)
+    return ["--metrics-port", str(metrics_port), "--set", f"chunker.anchor_tokens=[{anchors}]",
+            "--set", f"store.cpu_bytes={cpu_bytes}", "--set", "max_prompt_tokens=262144"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.ttft", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: agent_meta[H=1000] and 4 trace calls, 3 requests")
+    p.add_argument("--requests", type=int, default=None, help="requests per synthetic workload (default 5; quick 3)")
+    p.add_argument("--trace-calls", type=int, default=10, help="calls replayed per trace")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS / "ttft.json")
+    p.add_argument("--plot", type=Path, default=RESULTS / "ttft.png")
+    args = p.parse_args(argv)
+    if args.requests is None:
+        args.requests = 3 if args.quick else 5
+    os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+
+    from bench.harness import machine, sidecar_process
+    from bench.tokenizer import ChatTemplate
+    from clients.transformers import weights_fingerprint
+    from sidecar.client import SyncSidecarClient
+
+    t0 = time.perf_counter()
+    template = ChatTemplate()
+    workloads = build_workloads(args, template)
+    model = bench_model(args)
+    wh = weights_fingerprint(model)
+    cfg = model.config
+    print(f"model: llama {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads / "
+          f"{cfg.num_key_value_heads} KV heads, fp32, {cfg._attn_implementation}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, "
+          f"device {next(model.parameters()).device}", file=sys.stderr)
+    mport = free_port()
+    records: list[Record] = []
+    summaries: list[Summary] = []
+    with sidecar_process(*sidecar_flags(template, 3 << 30, mport)) as target, \
+            SyncSidecarClient(target, tenant="ttft", timeout_s=300.0) as client:
+        meter = RotationMeter(mport)
+        warm = BenchWorkload(label="warmup", requests=tuple(w.requests[0][:2048] for w in workloads[:1]) * 2)
+        run_workload(model, wh, client, meter, warm, prefix_cache_bytes=1 << 30)  # kernels, allocator, channel
+        for w in workloads:
+            recs = run_workload(model, wh, client, meter, w, prefix_cache_bytes=1 << 30)
+            records += recs
+            summaries.append(summarize(w, recs))
+    total = time.perf_counter() - t0
+
+    print(format_tables(summaries))
+    g = goals(summaries)
+    print()
+    for name, v in g.items():
+        val = "-" if v["value"] is None else f"{v['value']:.3f}"
+        print(f"goal {name}: {val} (goal {v['goal']}): {'met' if v['met'] else 'NOT met'}")
+    print(f"total {total:.0f}s; statistics over requests 1.. of each workload (request 0 is cold for every arm)")
+    png = plot(records, [w.label for w in workloads], args.plot,
+               title=f"TTFT per request, llama {cfg.num_hidden_layers}x{cfg.hidden_size} (random weights), 2-core CPU")
+    doc = {
+        "benchmark": "ttft (issue 5): time to first token, real forward passes",
+        "arms": {
+            "cache_off": "full prefill of every prompt",
+            "exact_prefix": "the engine's own exact-prefix cache (16-token blocks, capped at n-1, LRU)",
+            "sidecar": "own prefix cache + sidecar Lookup/Fetch (server-side rotation)/assemble/prefill gaps; Store after TTFT",
+        },
+        "model": {"arch": "llama", "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+                  "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "dtype": "float32",
+                  "attention": cfg._attn_implementation, "weights": "random (seed 0)", "vocab": cfg.vocab_size},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "workloads": [{"label": w.label, "requests": len(w.requests), "append_only": w.append_only,
+                       "description": w.description} for w in workloads],
+        "summaries": [s.to_json() for s in summaries],
+        "goals": g,
+        "goals_met": all(v["met"] for v in g.values()),
+        "records": [dataclasses.asdict(r) for r in records],
+        "runtime_s": round(total, 1),
+        "host": machine(),
+        "plot": str(png) if png else None,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.out}" + (f" and {png}" if png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

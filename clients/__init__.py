@@ -1,0 +1,1 @@
+"""Engine integrations for KV Sidecar: ``clients.transformers`` (the reference engine)."""

@@ -1,0 +1,65 @@
+"""Reference engine on Hugging Face transformers (issue 5).
+
+    from clients.transformers import Engine, ReusePolicy, Sampling, build_model, llama_config
+    model = build_model(llama_config(num_layers=4, hidden_size=512))
+    with SyncSidecarClient("127.0.0.1:50051") as sidecar:
+        engine = Engine(model, sidecar=sidecar)
+        out = engine.generate(prompt_ids, max_new_tokens=32)
+
+Modules: ``engine`` (the request loop), ``kv`` (cache <-> payloads), ``cache`` (in-place
+growing cache), ``prefix_cache`` (the engine's own exact-prefix cache), ``attention``
+(the engine's attention implementations: fast, and batch-invariant for the determinism gate), ``models`` (configs, random or local
+weights), ``fidelity`` (teacher-forced output-consistency metrics).
+"""
+
+from clients.transformers.cache import SequenceCache
+from clients.transformers.engine import (
+    CACHE_OFF,
+    EXACT_PREFIX,
+    SIDECAR,
+    Engine,
+    Generation,
+    PrefillResult,
+    ReusePolicy,
+    Rotation,
+    Sampling,
+    Scored,
+    Timings,
+)
+from clients.transformers.kv import KVAdapter
+from clients.transformers.models import (
+    FAST_ATTENTION,
+    INVARIANT_ATTENTION,
+    build_model,
+    deepseek_v2_config,
+    default_device,
+    llama_config,
+    load_model,
+    weights_fingerprint,
+)
+from clients.transformers.prefix_cache import PrefixCache
+
+__all__ = [
+    "CACHE_OFF",
+    "EXACT_PREFIX",
+    "FAST_ATTENTION",
+    "INVARIANT_ATTENTION",
+    "SIDECAR",
+    "Engine",
+    "Generation",
+    "KVAdapter",
+    "PrefillResult",
+    "PrefixCache",
+    "ReusePolicy",
+    "Rotation",
+    "Sampling",
+    "Scored",
+    "SequenceCache",
+    "Timings",
+    "build_model",
+    "deepseek_v2_config",
+    "default_device",
+    "llama_config",
+    "load_model",
+    "weights_fingerprint",
+]

@@ -1,0 +1,140 @@
+"""Output consistency of cache paths against full prefill (the seeds' consistency study).
+
+Teacher forcing: the full-prefill greedy trajectory ``y`` (``T`` tokens) is fed through every
+cache path, so each path is scored on the same contexts::
+
+    reference   p_full(. | prompt, y[:t])   prompt prefilled from scratch
+    arm         p_arm (. | prompt, y[:t])   prompt assembled through the arm's cache path
+
+    KL_t            = sum_v p_full(v) (log p_full(v) - log p_arm(v))      per token, nats
+    agreement       = mean_t [argmax p_arm(. | ..., y[:t]) == y_t]         (y_t = argmax p_full)
+    first_divergence = the first t where they disagree (None: never)
+    bit_identical   = every log-probability equal, bit for bit
+
+Arms (``ARMS``): full prefill; exact-prefix reuse (the engine's own prefix cache); sidecar
+position-independent reuse; the sidecar's ``exact`` policy without the own prefix cache
+(``sidecar_exact``: identical-left-context hits only, which must reproduce full prefill bit for
+bit); position-independent with ``recompute_tokens`` 8 and 32; with the left-context window
+guard (W=32); and naive reuse without rotation (a control that must come out worse). None of
+the arms Store or update the prefix cache (``store=False``), so all see the same cache state.
+
+With random-weight models this is a mechanics check, not a quality claim: it shows that the
+cache paths put the right KV at the right positions (prefix reuse bit-identical, rotated reuse
+close, unrotated reuse far), not how a trained model's answers change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from clients.transformers.engine import Engine, ReusePolicy, Rotation, Sampling
+
+DISCLAIMER = (
+    "Random-weight models: a mechanics check of the cache paths (right KV at the right positions), "
+    "not a quality claim about a trained model."
+)
+
+ARMS: Mapping[str, ReusePolicy] = {
+    "full_prefill": ReusePolicy(prefix_cache=False, sidecar=False, store=False),
+    "exact_prefix": ReusePolicy(prefix_cache=True, sidecar=False, store=False),
+    "sidecar": ReusePolicy(store=False),
+    "sidecar_exact": ReusePolicy(prefix_cache=False, admission="exact", store=False),
+    "sidecar_k8": ReusePolicy(recompute_tokens=8, store=False),
+    "sidecar_k32": ReusePolicy(recompute_tokens=32, store=False),
+    "sidecar_w32": ReusePolicy(left_context_window=32, store=False),
+    "naive_no_rotation": ReusePolicy(rotation=Rotation.NONE, store=False),
+}
+
+#: Warm-up requests go through this policy (they fill the own prefix cache and the sidecar).
+WARM = ReusePolicy()
+
+
+@dataclass(frozen=True, slots=True)
+class ArmResult:
+    arm: str
+    mean_kl: float
+    max_kl: float
+    agreement: float
+    first_divergence: int | None
+    bit_identical: bool
+    recovered_tokens: int
+    shifted_tokens: int
+    prefill_tokens: int
+    prompt_tokens: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def kl_per_token(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """``KL(p_ref || p)`` per row of two ``[T, V]`` log-probability tensors (nats, float64)."""
+    ref = ref_logp.double()
+    return (ref.exp() * (ref - logp.double())).sum(-1).clamp_min(0.0)
+
+
+def compare(ref_logp: torch.Tensor, logp: torch.Tensor, forced: Sequence[int]) -> dict:
+    """Per-token metrics of one arm against the reference (see the module docstring)."""
+    kl = kl_per_token(ref_logp, logp)
+    agree = (logp.argmax(-1).cpu() == torch.as_tensor(list(forced))).numpy()
+    bad = np.flatnonzero(~agree)
+    return {
+        "kl": kl.cpu().numpy(),
+        "agree": agree,
+        "first_divergence": int(bad[0]) if len(bad) else None,
+        "bit_identical": bool(torch.equal(ref_logp, logp)),
+    }
+
+
+def evaluate(
+    engine: Engine,
+    warm: Sequence[np.ndarray],
+    target: np.ndarray,
+    *,
+    new_tokens: int = 32,
+    arms: Mapping[str, ReusePolicy] = ARMS,
+) -> list[ArmResult]:
+    """Run ``warm`` requests (filling the engine's prefix cache and the sidecar), then score
+    ``target`` through every arm against full prefill, teacher-forcing the full-prefill
+    greedy continuation of ``new_tokens`` tokens."""
+    for w in warm:
+        engine.prefill(w, reuse=WARM)
+    full = arms.get("full_prefill", ARMS["full_prefill"])
+    ref_gen = engine.generate(target, max_new_tokens=new_tokens, sampling=Sampling(), reuse=full)
+    forced = ref_gen.tokens
+    ref = engine.score(target, forced, reuse=full).logprobs
+    out = []
+    for name, policy in arms.items():
+        scored = engine.score(target, forced, reuse=policy)
+        pre = scored.prompt
+        m = compare(ref, scored.logprobs, forced)
+        out.append(
+            ArmResult(
+                arm=name,
+                mean_kl=float(m["kl"].mean()),
+                max_kl=float(m["kl"].max()),
+                agreement=float(m["agree"].mean()),
+                first_divergence=m["first_divergence"],
+                bit_identical=m["bit_identical"],
+                recovered_tokens=pre.recovered_tokens,
+                shifted_tokens=pre.shifted_tokens,
+                prefill_tokens=pre.prefill_tokens,
+                prompt_tokens=len(pre.tokens),
+            )
+        )
+    return out
+
+
+def format_table(rows: Sequence[ArmResult], title: str = "") -> str:
+    head = f"{'arm':<20} {'mean KL':>10} {'max KL':>10} {'argmax agree':>12} {'1st div':>7} {'bit-id':>6} {'reused':>7} {'shifted':>7} {'prefill':>7}"
+    lines = [title, head, "-" * len(head)] if title else [head, "-" * len(head)]
+    for r in rows:
+        fd = "-" if r.first_divergence is None else str(r.first_divergence)
+        lines.append(
+            f"{r.arm:<20} {r.mean_kl:>10.2e} {r.max_kl:>10.2e} {r.agreement:>12.1%} {fd:>7} {str(r.bit_identical):>6} "
+            f"{r.recovered_tokens:>7} {r.shifted_tokens:>7} {r.prefill_tokens:>7}"
+        )
+    return "\n".join(lines)
