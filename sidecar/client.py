@@ -128,6 +128,21 @@ def _store_payload_requests(
     return msgs
 
 
+def _store_messages(
+    tokens: Tokens,
+    identity: CacheIdentity,
+    register_from: int,
+    shared: bool,
+    layout: KVLayout | None,
+    payloads: Mapping[int, Any] | None,
+) -> Sequence[pb.StoreRequest]:
+    if not payloads:
+        return _store_requests(tokens, identity, register_from, shared)
+    if layout is None:
+        raise ValueError("layout: required with payloads")
+    return _store_payload_requests(tokens, identity, layout, payloads, register_from, shared, PART_BYTES)
+
+
 def _fetch_request(
     identity: CacheIdentity, layout: KVLayout, rope: "RopeSpec | None", items: Sequence[tuple[int, int]], raw: bool
 ) -> pb.FetchRequest:
@@ -375,12 +390,7 @@ class SidecarClient:
         that chunk's positions, ``KVLayout`` order}) also store their KV. Chunk starts come
         from ``LookupPlan.chunk_bounds`` or a previous ``StoreResult.chunk_bounds``. Each chunk
         becomes visible only once its payload is complete and verified. Idempotent."""
-        if payloads:
-            if layout is None:
-                raise ValueError("layout: required with payloads")
-            msgs = _store_payload_requests(tokens, identity, layout, payloads, register_from, shared, PART_BYTES)
-        else:
-            msgs = _store_requests(tokens, identity, register_from, shared)
+        msgs = _store_messages(tokens, identity, register_from, shared, layout, payloads)
         resp = await self._call(lambda: self._stub.Store(iter(msgs), metadata=self._metadata, timeout=self._timeout))
         return _store_result(resp)
 
@@ -481,12 +491,7 @@ class SyncSidecarClient:
         payloads: Mapping[int, Any] | None = None,
     ) -> StoreResult:
         """See ``SidecarClient.store``."""
-        if payloads:
-            if layout is None:
-                raise ValueError("layout: required with payloads")
-            msgs = _store_payload_requests(tokens, identity, layout, payloads, register_from, shared, PART_BYTES)
-        else:
-            msgs = _store_requests(tokens, identity, register_from, shared)
+        msgs = _store_messages(tokens, identity, register_from, shared, layout, payloads)
         return _store_result(
             self._call(lambda: self._stub.Store(iter(msgs), metadata=self._metadata, timeout=self._timeout))
         )
