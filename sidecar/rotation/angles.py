@@ -56,6 +56,25 @@ def cos_sin(delta: torch.Tensor, spec: RopeSpec) -> tuple[torch.Tensor, torch.Te
     return torch.cos(angle).to(torch.float32), torch.sin(angle).to(torch.float32)
 
 
+_SCALAR_TABLES: dict[tuple[str, int], "RotationTable"] = {}
+_SCALAR_TABLES_MAX = 4096
+
+
+def _scalar_table(spec: RopeSpec, delta: int) -> "RotationTable":
+    """CPU table for one scalar delta, memoised: a Fetch rotates every layer of every chunk of a
+    shifted run by the same delta, and building the table is most of a small call's cost.
+    Tables are read-only; the cache is bounded (cleared when full)."""
+    key = (spec.fingerprint, delta)
+    table = _SCALAR_TABLES.get(key)
+    if table is None:
+        cos, sin = cos_sin(torch.tensor([delta], dtype=torch.int64), spec)
+        table = RotationTable(cos=cos, sin=sin, index=None)
+        if len(_SCALAR_TABLES) >= _SCALAR_TABLES_MAX:
+            _SCALAR_TABLES.clear()
+        _SCALAR_TABLES[key] = table
+    return table
+
+
 @dataclass(frozen=True, kw_only=True)
 class RotationTable:
     """Per-distinct-delta tables for the fused kernels.
@@ -79,6 +98,8 @@ def rotation_table(delta: torch.Tensor, batch_shape: tuple[int, ...], spec: Rope
     ``dedupe=False`` computes one table row per element of ``delta`` (no sync; the CUDA path).
     """
     if delta.numel() == 1:
+        if delta.device.type == "cpu":
+            return _scalar_table(spec, int(delta))
         cos, sin = cos_sin(delta.reshape(1), spec)
         return RotationTable(cos=cos, sin=sin, index=None)
     flat = delta.reshape(-1)
