@@ -305,7 +305,12 @@ def _headers(tenant: str | None, token: str | None) -> tuple[tuple[str, str], ..
 _CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20))
 
 
-class SidecarClient:
+class _ClientBase:
+    """Channel, stub, headers, timeout and retry policy shared by both clients; subclasses
+    choose the channel kind (``grpc.aio`` or synchronous)."""
+
+    _open_channel: Callable[..., Any]
+
     def __init__(
         self,
         target: str,
@@ -316,7 +321,7 @@ class SidecarClient:
         retry: RetryPolicy = RetryPolicy(),
         channel_options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        self._channel = grpc.aio.insecure_channel(target, options=[*_CHANNEL_OPTIONS, *channel_options])
+        self._channel = type(self)._open_channel(target, options=[*_CHANNEL_OPTIONS, *channel_options])
         self._stub = pb_grpc.KVSidecarStub(self._channel)
         self._fetch = self._channel.unary_stream(
             FETCH_METHOD, request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=parse_fetch_frame
@@ -324,6 +329,10 @@ class SidecarClient:
         self._metadata = _headers(tenant, token)
         self._timeout = timeout_s
         self._retry = retry
+
+
+class SidecarClient(_ClientBase):
+    _open_channel = staticmethod(grpc.aio.insecure_channel)
 
     async def __aenter__(self) -> "SidecarClient":
         return self
@@ -438,31 +447,14 @@ class SidecarClient:
         await self._call(lambda: self._stub.Ping(pb.PingRequest(), metadata=self._metadata, timeout=self._timeout))
 
 
-class SyncSidecarClient:
+class SyncSidecarClient(_ClientBase):
     """Blocking client on grpc's synchronous channel (same requests, errors and retries).
 
     It does not use asyncio, so it is safe next to an asyncio server in the same process
     (grpc.aio supports one event loop per process).
     """
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        tenant: str | None = None,
-        token: str | None = None,
-        timeout_s: float = 10.0,
-        retry: RetryPolicy = RetryPolicy(),
-        channel_options: Sequence[tuple[str, Any]] = (),
-    ) -> None:
-        self._channel = grpc.insecure_channel(target, options=[*_CHANNEL_OPTIONS, *channel_options])
-        self._stub = pb_grpc.KVSidecarStub(self._channel)
-        self._fetch = self._channel.unary_stream(
-            FETCH_METHOD, request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=parse_fetch_frame
-        )
-        self._metadata = _headers(tenant, token)
-        self._timeout = timeout_s
-        self._retry = retry
+    _open_channel = staticmethod(grpc.insecure_channel)
 
     def _call(self, fn: Callable[[], T], *, idempotent: bool = True) -> T:
         attempt = 0

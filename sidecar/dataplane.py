@@ -184,35 +184,24 @@ class DataPlane:
         All-or-nothing: on any refusal the chunks this call stored are deleted again."""
         check_layout(identity, layout)
         index = self.index
-        chunks = index.chunk(tokens, identity, (scope,))
-        bounds = chunks.bounds.tolist()
-        start_of = {a: c for c, a in enumerate(bounds[:-1]) if a >= register_from}
+        # Entries (metadata) for every chunk past register_from, payload or not.
+        listed, end = index.entries(tokens, data, identity, scope, register_from=register_from)
+        entries = {e.source_pos: e for e in listed}
         per_token = layout.bytes_per_token
         for start, buf in payloads.items():
-            c = start_of.get(start)
-            if c is None:
+            e = entries.get(start)
+            if e is None:
+                starts = sorted(entries)
                 raise InvalidArgument(
                     f"payload.chunk_start: {start} is not a chunk boundary at or after register_from "
-                    f"(boundaries: {bounds[:8]}{'...' if len(bounds) > 8 else ''})"
+                    f"(boundaries: {starts[:8]}{'...' if len(starts) > 8 else ''})"
                 )
-            expected = (bounds[c + 1] - start) * per_token
+            expected = e.num_tokens * per_token
             if len(buf) != expected:
                 raise InvalidArgument(
-                    f"payload.data: chunk at {start} has {len(buf)} bytes; layout x {bounds[c + 1] - start} tokens "
+                    f"payload.data: chunk at {start} has {len(buf)} bytes; layout x {e.num_tokens} tokens "
                     f"needs {expected}"
                 )
-        # Entries (metadata) for every chunk past register_from, payload or not.
-        ctx = index.registry.config.left_context_tokens
-        keys = chunks.fingerprints[0].tolist()
-        prefix = chunks.prefix_digests.tolist()
-        entries: dict[int, ChunkEntry] = {}
-        for a, c in start_of.items():
-            b = bounds[c + 1]
-            piece = data[4 * a : 4 * b]
-            entries[a] = ChunkEntry(
-                key=ChunkHash(keys[c]), scope=scope, tokens=piece, source_pos=a, prefix_digest=prefix[c],
-                left_context=data[4 * max(0, a - ctx) : 4 * a] if ctx else b"", digest=token_digest(piece),
-            )
         stored: list[bytes] = []
         tiers: dict[int, str] = {}
         held: dict[int, ChunkEntry] = {}  # chunks the tiers already held: their copy stays canonical
@@ -261,7 +250,6 @@ class DataPlane:
                     # An OBSERVED entry may have been registered at another position: the payload
                     # just stored (or the one the tiers held) is the canonical copy now.
                     old.source_pos, old.prefix_digest, old.left_context = e.source_pos, e.prefix_digest, e.left_context
-                    old.digest = e.digest
                     old.state = EntryState.RESIDENT
                     old.tier = tiers[start]
             if reg.insert(e):
@@ -272,7 +260,7 @@ class DataPlane:
         nbytes = sum(len(payloads[s]) for s in tiers)
         self.counters.stored_chunks += len(tiers)
         self.counters.stored_bytes += nbytes
-        out_bounds = tuple(sorted(start_of)) + ((bounds[-1],) if start_of else ())
+        out_bounds = (*entries, end) if entries else ()
         return StoreOutcome(len(entries), registered, refreshed, len(tiers), out_bounds, nbytes)
 
     async def _rollback(self, keys: list[bytes]) -> None:
@@ -294,7 +282,8 @@ class DataPlane:
         """Payloads for ``items`` in order, rotated to their target positions unless ``raw``.
 
         An item whose chunk is unknown, belongs to another scope, or whose bytes are gone is a
-        miss (``payload`` None). Nothing is changed except recency and promotions."""
+        miss (``payload`` None). Nothing is changed except tier promotions (the Lookup that
+        planned these hits already refreshed their registry recency and hit counts)."""
         check_layout(identity, layout)
         reg = self.index.registry
         results = [FetchResult(index=i) for i in range(len(items))]
@@ -318,7 +307,6 @@ class DataPlane:
                 continue
             r.payload = got.payload
             r.tier = got.tier.value
-            reg.touch(e)
         to_rotate = [r for r in results if r.payload is not None and r.delta and not raw]
         if to_rotate:
             self.counters.rotated_bytes += await asyncio.to_thread(_rotate_all, to_rotate, layout, rope, self.counters)

@@ -64,6 +64,10 @@ class Internal(SidecarError):
     code = grpc.StatusCode.INTERNAL
 
 
+class DeadlineExceeded(SidecarError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class InvariantViolation(Internal):
     """A broken internal invariant: never silently recovered (ARCHITECTURE.md, directives)."""
 
@@ -84,15 +88,9 @@ _BY_CODE: dict[grpc.StatusCode, type[SidecarError]] = {
         Unavailable,
         Unimplemented,
         Internal,
+        DeadlineExceeded,
     )
 }
-
-
-class DeadlineExceeded(SidecarError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-_BY_CODE[grpc.StatusCode.DEADLINE_EXCEEDED] = DeadlineExceeded
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -111,6 +109,4 @@ def error_for_status(code: grpc.StatusCode, message: str) -> SidecarError:
         err = SidecarError(f"{code.name}: {message}")
         err.code = code
         return err
-    if cls is InvariantViolation:
-        return Internal(message)
     return cls(message)

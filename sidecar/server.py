@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from sidecar import __version__
 from sidecar.config import SidecarConfig
 from sidecar.dataplane import DataPlane
-from sidecar.errors import InvalidArgument, status_for
+from sidecar.errors import InvalidArgument, InvariantViolation, status_for
 from sidecar.identity import SHARED_SCOPE
 from sidecar.metrics import Metrics
 from sidecar.registry.chunker import warmup
@@ -124,12 +124,8 @@ def _rpc(method: str) -> Callable:
                 result = await fn(self, request, context)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - every error leaves through status_for
-                code, message = status_for(exc)
-                if code is grpc.StatusCode.INTERNAL:
-                    logger.exception("%s failed", method)
-                self.metrics.requests.labels(method, code.name).inc()
-                await context.abort(code, message)
+            except Exception as exc:  # noqa: BLE001 - every error leaves through _abort
+                await self._abort(method, exc, context)
             self._ok[method].inc()
             return result
 
@@ -152,6 +148,17 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
         }
         self._lookup_counters = {}
         self.totals = {"lookups": 0, "lookup_tokens": 0, "prefix": 0, "exact": 0, "shifted": 0, "prefill": 0}
+
+    async def _abort(self, method: str, exc: Exception, context: grpc.aio.ServicerContext) -> None:
+        """End the call with the status ``status_for`` maps ``exc`` to; count it (and any broken
+        invariant); log internal errors. Shared by ``_rpc`` and the streaming Fetch."""
+        code, message = status_for(exc)
+        if isinstance(exc, InvariantViolation):
+            self.metrics.invariant_violations.inc()
+        if code is grpc.StatusCode.INTERNAL:
+            logger.exception("%s failed", method)
+        self.metrics.requests.labels(method, code.name).inc()
+        await context.abort(code, message)
 
     # ------------------------------------------------------------------------------ Lookup
 
@@ -321,12 +328,8 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
             results = await self.dataplane.fetch(tenant, identity, layout, rope, items, request.raw)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - mapped in one place
-            code, message = status_for(exc)
-            if code is grpc.StatusCode.INTERNAL:
-                logger.exception("Fetch failed")
-            self.metrics.requests.labels("Fetch", code.name).inc()
-            await context.abort(code, message)
+        except Exception as exc:  # noqa: BLE001 - every error leaves through _abort
+            await self._abort("Fetch", exc, context)
         part = self.config.fetch_part_bytes
         nbytes = 0
         for r in results:
@@ -441,9 +444,7 @@ class SidecarServer:
         if self.port == 0:
             raise OSError(f"could not bind gRPC port {host}:{cfg.port}")
         warmup(cfg.chunker)
-        recovered = self.dataplane.recover()
-        if recovered:
-            logger.info("registry rebuilt from the tiers: %d chunks", recovered)
+        self.dataplane.recover()  # logs what it rebuilt
         await self.grpc.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if cfg.metrics_port >= 0:

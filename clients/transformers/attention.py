@@ -88,22 +88,28 @@ def invariant_attention_native(
     return (num / den).to(dtype)
 
 
-def invariant_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """transformers attention-interface signature; returns ``([B, q, H, Dv], None)``."""
-    groups = query.shape[1] // key.shape[1]
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    out = invariant_attention_native(query, _repeat_kv(key, groups), _repeat_kv(value, groups), scaling)
-    return out.transpose(1, 2).contiguous(), None
+def _attention_interface(native):
+    """Wrap ``native(query, key, value, scaling)`` (``[B, H, q, D]``, K/V heads repeated) in
+    transformers' attention-interface signature, returning ``([B, q, H, Dv], None)``."""
+
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        groups = query.shape[1] // key.shape[1]
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        out = native(query, _repeat_kv(key, groups), _repeat_kv(value, groups), scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    attention.__name__ = native.__name__.removesuffix("_native")
+    return attention
 
 
 def offset_causal_attention_native(
@@ -137,22 +143,10 @@ def offset_causal_attention_native(
     return ((out1.float() * w1 + out2.float() * w2) / (w1 + w2)).to(query.dtype)
 
 
-def offset_causal_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """transformers attention-interface signature; returns ``([B, q, H, Dv], None)``."""
-    groups = query.shape[1] // key.shape[1]
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    out = offset_causal_attention_native(query, _repeat_kv(key, groups), _repeat_kv(value, groups), scaling)
-    return out.transpose(1, 2).contiguous(), None
+
+
+invariant_attention = _attention_interface(invariant_attention_native)
+offset_causal_attention = _attention_interface(offset_causal_attention_native)
 
 
 def _no_mask(*args, **kwargs) -> None:

@@ -123,7 +123,8 @@ class ChunkIndex:
                 continue
             a = bl[j]
             b = bl[j + 1]
-            if entry.tokens != data[4 * a : 4 * b] and not reg.verify(entry, data[4 * a : 4 * b]):
+            piece = data[4 * a : 4 * b]
+            if entry.tokens != piece and not reg.verify(entry, piece):
                 continue
             seg = a if a > epl else epl
             src = entry.source_pos
@@ -169,6 +170,41 @@ class ChunkIndex:
 
     # ----------------------------------------------------------------------------- register
 
+    def entries(
+        self,
+        tokens: np.ndarray,
+        data: bytes,
+        identity: CacheIdentity,
+        scope: str,
+        *,
+        register_from: int = 0,
+        state: EntryState = EntryState.OBSERVED,
+    ) -> tuple[list[ChunkEntry], int]:
+        """Registry entries for every chunk of ``tokens`` starting at or after ``register_from``
+        (in order), and the end of the last one. Nothing is registered."""
+        chunks = self.chunk(tokens, identity, (scope,))
+        bounds = chunks.bounds.tolist()
+        keys = chunks.fingerprints[0].tolist()
+        prefix = chunks.prefix_digests.tolist()
+        ctx = self.registry.config.left_context_tokens
+        out: list[ChunkEntry] = []
+        for c, key in enumerate(keys):
+            a, b = bounds[c], bounds[c + 1]
+            if a < register_from:
+                continue
+            out.append(
+                ChunkEntry(
+                    key=ChunkHash(key),
+                    scope=scope,
+                    tokens=data[4 * a : 4 * b],
+                    source_pos=a,
+                    prefix_digest=prefix[c],
+                    left_context=data[4 * max(0, a - ctx) : 4 * a] if ctx else b"",
+                    state=state,
+                )
+            )
+        return out, bounds[-1]
+
     def register(
         self,
         tokens: np.ndarray,
@@ -185,33 +221,8 @@ class ChunkIndex:
         digests are the same ones a later Lookup computes. Idempotent: re-registering a chunk
         refreshes its recency and keeps its canonical source position.
         """
-        chunks = self.chunk(tokens, identity, (scope,))
-        bounds = chunks.bounds.tolist()
-        keys = chunks.fingerprints[0].tolist()
-        prefix = chunks.prefix_digests.tolist()
-        ctx = self.registry.config.left_context_tokens
-        added = refreshed = 0
-        out_keys: list[ChunkHash] = []
-        out_bounds: list[int] = []
-        for c, key in enumerate(keys):
-            a, b = bounds[c], bounds[c + 1]
-            if a < register_from:
-                continue
-            entry = ChunkEntry(
-                key=ChunkHash(key),
-                scope=scope,
-                tokens=data[4 * a : 4 * b],
-                source_pos=a,
-                prefix_digest=prefix[c],
-                left_context=data[4 * max(0, a - ctx) : 4 * a] if ctx else b"",
-                state=state,
-            )
-            if self.registry.insert(entry):
-                added += 1
-            else:
-                refreshed += 1
-            out_keys.append(ChunkHash(key))
-            out_bounds.append(a)
-        if out_bounds:
-            out_bounds.append(bounds[-1])
-        return RegisterResult(len(out_keys), added, refreshed, tuple(out_keys), tuple(out_bounds))
+        entries, end = self.entries(tokens, data, identity, scope, register_from=register_from, state=state)
+        added = sum(1 for entry in entries if self.registry.insert(entry))
+        starts = [e.source_pos for e in entries]
+        bounds = (*starts, end) if starts else ()
+        return RegisterResult(len(entries), added, len(entries) - added, tuple(e.key for e in entries), bounds)
