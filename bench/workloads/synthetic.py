@@ -50,10 +50,20 @@ def take_tokens(template: ChatTemplate, texts: Sequence[str], n: int) -> str:
     Cuts at a pre-tokenizer piece boundary, so the cut text encodes to the same ids as the
     first ``n`` ids of the joined text. Raises ValueError if the texts are too short.
     """
-    pieces = template.tokenizer.pieces("\n\n".join(texts))
+    tok = template.tokenizer
+    pieces = tok.pieces("\n\n".join(texts))
     if len(pieces) < n:
         raise ValueError(f"need {n} tokens of text, the pool gave {len(pieces)}")
-    return "".join(pieces[:n])
+    # A BPE tokenizer can merge across the cut differently than inside the longer text; step the
+    # cut until the text encodes to exactly n ids (the offline tokenizer never needs a step).
+    m = n
+    for _ in range(8):
+        text = "".join(pieces[:m])
+        got = len(tok.encode(text))
+        if got == n:
+            return text
+        m += n - got
+    raise ValueError(f"could not cut the text at exactly {n} tokens")
 
 
 # ---------------------------------------------------------------------------------------------

