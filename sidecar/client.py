@@ -262,10 +262,11 @@ def _lookup_request(
     identity: CacheIdentity,
     engine_prefix_len: int = 0,
     policy: AdmissionPolicy | str | None = None,
-    left_context_window: int = 0,
-    recompute_tokens: int = 0,
+    left_context_window: int | None = None,
+    recompute_tokens: int | None = None,
     dry_run: bool = False,
 ) -> pb.LookupRequest:
+    # None leaves the optional field unset: the server applies its configured default.
     return pb.LookupRequest(
         tokens=tokens_to_wire(tokens),
         identity=identity_to_wire(identity),
@@ -372,12 +373,13 @@ class SidecarClient(_ClientBase):
         identity: CacheIdentity,
         engine_prefix_len: int = 0,
         policy: AdmissionPolicy | str | None = None,
-        left_context_window: int = 0,
-        recompute_tokens: int = 0,
+        left_context_window: int | None = None,
+        recompute_tokens: int | None = None,
         dry_run: bool = False,
     ) -> LookupPlan:
         """Plan which parts of ``tokens`` the engine can skip. Idempotent when ``dry_run``;
-        otherwise it refreshes recency of the hits it returns (safe to retry)."""
+        otherwise it refreshes recency of the hits it returns (safe to retry).
+        ``left_context_window`` / ``recompute_tokens``: None = the server's defaults."""
         req = _lookup_request(
             tokens, identity, engine_prefix_len, policy, left_context_window, recompute_tokens, dry_run
         )

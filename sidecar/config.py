@@ -53,6 +53,10 @@ class AuthConfig:
         return bool(self.tokens)
 
 
+#: ``default_recompute_tokens`` out of the box (docs/fidelity.md: the real-model sweep).
+DEFAULT_RECOMPUTE_TOKENS = 8
+
+
 @dataclass(frozen=True, kw_only=True)
 class SidecarConfig:
     host: str = "127.0.0.1"
@@ -64,6 +68,11 @@ class SidecarConfig:
     max_message_bytes: int = 64 << 20
     default_tenant: str = "default"
     default_policy: AdmissionPolicy = AdmissionPolicy.POSITION_INDEPENDENT
+    # Guards applied to position_independent Lookups that do not set their own. The default k
+    # was chosen on a trained model: the largest reuse that keeps greedy answers equal to full
+    # prefill on >= 99% of question prompts (docs/fidelity.md).
+    default_left_context_window: int = 0
+    default_recompute_tokens: int = DEFAULT_RECOMPUTE_TOKENS
     log_level: str = "INFO"
     chunker: ChunkerConfig = field(default_factory=ChunkerConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
@@ -82,6 +91,12 @@ class SidecarConfig:
         if self.grace_period_s < 0:
             raise ValueError("grace_period_s must be >= 0")
         object.__setattr__(self, "default_policy", AdmissionPolicy(self.default_policy))
+        if not 0 <= self.default_left_context_window <= self.registry.left_context_tokens:
+            raise ValueError(
+                f"default_left_context_window must be in [0, registry.left_context_tokens={self.registry.left_context_tokens}]"
+            )
+        if not 0 <= self.default_recompute_tokens <= self.chunker.max_size:
+            raise ValueError(f"default_recompute_tokens must be in [0, chunker.max_size={self.chunker.max_size}]")
 
     @property
     def bind_host(self) -> str:

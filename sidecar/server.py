@@ -190,8 +190,15 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
             raise InvalidArgument(
                 f"recompute_tokens: {request.recompute_tokens} exceeds the maximum chunk size {cfg.chunker.max_size}"
             )
-        if policy is AdmissionPolicy.EXACT and (request.left_context_window or request.recompute_tokens):
-            raise InvalidArgument("policy: left_context_window / recompute_tokens apply to position_independent only")
+        if policy is AdmissionPolicy.EXACT:
+            if request.left_context_window or request.recompute_tokens:
+                raise InvalidArgument("policy: left_context_window / recompute_tokens apply to position_independent only")
+            window = k = 0
+        else:
+            # Unset optional fields take the server's defaults; an explicit 0 turns a guard off.
+            has = request.HasField
+            window = request.left_context_window if has("left_context_window") else cfg.default_left_context_window
+            k = request.recompute_tokens if has("recompute_tokens") else cfg.default_recompute_tokens
         return LookupQuery(
             tokens=tokens,
             data=request.tokens,
@@ -199,8 +206,8 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
             scope=tenant,
             engine_prefix_len=request.engine_prefix_len,
             policy=policy,
-            left_context_window=request.left_context_window,
-            recompute_tokens=request.recompute_tokens,
+            left_context_window=window,
+            recompute_tokens=k,
             dry_run=request.dry_run,
         )
 

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from sidecar.client import SidecarClient, SyncSidecarClient
+from sidecar.config import DEFAULT_RECOMPUTE_TOKENS
 from sidecar.registry.plan import Fidelity, SegmentKind
 from sidecar.server import SERVICE_NAME, ServerThread, create_server
 from tests.conftest import ANCHORS, make_config, message
@@ -31,7 +32,7 @@ async def test_lookup_store_roundtrip(client, identity, rng):
     assert res.chunks_registered == res.chunks_total > 0
 
     second = prompt(rng, 1000, body)  # a different agent header shifts the whole body
-    plan = await client.lookup(second, identity=identity, dry_run=True, engine_prefix_len=1)
+    plan = await client.lookup(second, identity=identity, dry_run=True, engine_prefix_len=1, recompute_tokens=0)
     plan.check_tiling(len(second))
     s = plan.summary
     assert s.prefix_tokens == 1 and s.shifted_tokens == len(body) and s.prefill_tokens == 1000
@@ -39,6 +40,15 @@ async def test_lookup_store_roundtrip(client, identity, rng):
     hits = plan.hits()
     assert all(h.delta == 950 and h.fidelity is Fidelity.APPROXIMATE for h in hits)
     assert plan.segments[0].kind is SegmentKind.ENGINE_PREFIX
+
+    # Unset guards take the server's defaults (default_recompute_tokens): the first k tokens of
+    # every shifted hit are re-prefilled; an explicit 0 turns the guard off (above).
+    k = DEFAULT_RECOMPUTE_TOKENS
+    default = await client.lookup(second, identity=identity, dry_run=True, engine_prefix_len=1)
+    repaired = {h.start - h.chunk_offset: h for h in default.hits()}  # chunk start -> hit
+    assert repaired and all(h.chunk_offset == k for h in repaired.values())
+    assert all(h.start in repaired or h.end - h.start <= k for h in hits)  # only chunks <= k tokens drop out
+    assert default.summary.shifted_tokens == sum(h.end - h.start - k for h in hits if h.start in repaired)
 
     # Observed (metadata-only) chunks are counted in observer mode but never served.
     served = await client.lookup(second, identity=identity)
@@ -49,7 +59,9 @@ async def test_lookup_store_roundtrip(client, identity, rng):
 
     stats = await client.stats()
     assert stats.registry.entries == res.chunks_total
-    assert stats.lookups == 3 and stats.recovered_shifted_tokens == len(body)
+    # four Lookups; the shifted tokens counted are those of the two dry runs that found hits
+    assert stats.lookups == 4
+    assert stats.recovered_shifted_tokens == len(body) + default.summary.shifted_tokens
 
 
 async def test_accepts_lists_numpy_and_bytes(client, identity, rng):

@@ -37,6 +37,7 @@ import torch
 
 from sidecar.client import FetchedKV, SyncSidecarClient
 from sidecar.identity import CacheIdentity
+from sidecar.registry.anchors import anchor_token_ids
 from sidecar.registry.plan import Fidelity, LookupPlan, Segment, SegmentKind
 from sidecar.rotation import RopeSpec
 
@@ -70,8 +71,8 @@ class ReusePolicy:
     prefix_cache: bool = True
     sidecar: bool = True
     admission: str = "position_independent"
-    left_context_window: int = 0
-    recompute_tokens: int = 0
+    left_context_window: int | None = None  # None: the sidecar's default_left_context_window
+    recompute_tokens: int | None = None  # None: the sidecar's default_recompute_tokens
     rotation: Rotation = Rotation.SERVER
     store: bool = True
     min_fetch_tokens: int = 32
@@ -206,6 +207,9 @@ class Engine:
       max_prefill_tokens: chunked prefill, at most this many tokens per forward pass (bounds
         the attention's working memory). Default: 1024 in deterministic mode (that attention
         materialises its scores), unlimited otherwise.
+      tokenizer: the model's tokenizer (``load_tokenizer``), optional. With it the engine knows
+        its chunker anchors (``anchor_token_ids``: the special tokens that open a chat message
+        block, for the sidecar's ``chunker.anchor_tokens``) and its stop tokens (EOS).
 
     Not thread-safe; one request at a time.
     """
@@ -223,8 +227,14 @@ class Engine:
         deterministic: bool | None = None,
         max_prefill_tokens: int | None = None,
         weights_hash: str | None = None,
+        tokenizer: Any | None = None,
     ) -> None:
         self.model = model
+        self.tokenizer = tokenizer
+        #: chunker anchors for this model's chat template (empty without a tokenizer)
+        self.anchor_token_ids: tuple[int, ...] = anchor_token_ids(tokenizer) if tokenizer is not None else ()
+        #: EOS ids (for ``generate(stop_tokens=...)``)
+        self.stop_token_ids: tuple[int, ...] = _eos_ids(tokenizer, model)
         self.config = model.config.get_text_config(decoder=True)
         self.device = next(model.parameters()).device
         self.adapter = KVAdapter.from_model(model, rope=rope)
@@ -334,9 +344,8 @@ class Engine:
         if use_sidecar:
             t0 = clock()
             kw: dict[str, Any] = {"policy": reuse.admission}
-            if reuse.left_context_window:
+            if reuse.admission != "exact":
                 kw["left_context_window"] = reuse.left_context_window
-            if reuse.recompute_tokens:
                 kw["recompute_tokens"] = reuse.recompute_tokens
             plan = self.sidecar.lookup(tokens, identity=self.identity, engine_prefix_len=h, **kw)
             tm.lookup_s = clock() - t0
@@ -507,6 +516,15 @@ def _schedule(segments: list[Segment], fetched: list[FetchedKV], n: int) -> list
                 steps.pop()
         add_prefill(n - 1, n)
     return steps
+
+
+def _eos_ids(tokenizer: Any | None, model: torch.nn.Module) -> tuple[int, ...]:
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None and tokenizer is not None:
+        ids = getattr(tokenizer, "eos_token_id", None)
+    if ids is None:
+        return ()
+    return tuple(int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids]))
 
 
 def _select(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> int:

@@ -12,10 +12,12 @@ cache path, so each path is scored on the same contexts::
     bit_identical   = every log-probability equal, bit for bit
 
 Arms (``ARMS``): full prefill; exact-prefix reuse (the engine's own prefix cache); sidecar
-position-independent reuse; the sidecar's ``exact`` policy without the own prefix cache
-(``sidecar_exact``: identical-left-context hits only, which must reproduce full prefill bit for
-bit); position-independent with ``recompute_tokens`` 8 and 32; with the left-context window
-guard (W=32); and naive reuse without rotation (a control that must come out worse). None of
+position-independent reuse with the sidecar's default guards (``sidecar``); the sidecar's
+``exact`` policy without the own prefix cache (``sidecar_exact``: identical-left-context hits
+only, which must reproduce full prefill bit for bit); position-independent with explicit
+``recompute_tokens`` 0, 8 and 32; with the left-context window guard (W=32); and naive reuse
+without rotation (a control that must come out worse). ``SWEEP_ARMS`` is the finer sweep the
+real-model benchmark chooses the default from. None of
 the arms Store or update the prefix cache (``store=False``), so all see the same cache state.
 
 With random-weight models this is a mechanics check, not a quality claim: it shows that the
@@ -38,15 +40,35 @@ DISCLAIMER = (
     "not a quality claim about a trained model."
 )
 
+def _pi(k: int, *, window: int = 0) -> ReusePolicy:
+    """Position-independent reuse with explicit guards (recompute k tokens, window W)."""
+    return ReusePolicy(recompute_tokens=k, left_context_window=window, store=False)
+
+
 ARMS: Mapping[str, ReusePolicy] = {
     "full_prefill": ReusePolicy(prefix_cache=False, sidecar=False, store=False),
     "exact_prefix": ReusePolicy(prefix_cache=True, sidecar=False, store=False),
     "sidecar": ReusePolicy(store=False),
     "sidecar_exact": ReusePolicy(prefix_cache=False, admission="exact", store=False),
-    "sidecar_k8": ReusePolicy(recompute_tokens=8, store=False),
-    "sidecar_k32": ReusePolicy(recompute_tokens=32, store=False),
-    "sidecar_w32": ReusePolicy(left_context_window=32, store=False),
-    "naive_no_rotation": ReusePolicy(rotation=Rotation.NONE, store=False),
+    "sidecar_k0": _pi(0),
+    "sidecar_k8": _pi(8),
+    "sidecar_k32": _pi(32),
+    "sidecar_w32": _pi(0, window=32),
+    "naive_no_rotation": ReusePolicy(rotation=Rotation.NONE, recompute_tokens=0, left_context_window=0, store=False),
+}
+
+#: The real-model sweep (bench/quality.py): the guards the default is chosen from.
+SWEEP_ARMS: Mapping[str, ReusePolicy] = {
+    "full_prefill": ARMS["full_prefill"],
+    "exact_prefix": ARMS["exact_prefix"],
+    "sidecar_exact": ARMS["sidecar_exact"],
+    "sidecar_k0": _pi(0),
+    "sidecar_k4": _pi(4),
+    "sidecar_k8": _pi(8),
+    "sidecar_k16": _pi(16),
+    "sidecar_k32": _pi(32),
+    "sidecar_w32": _pi(0, window=32),
+    "naive_no_rotation": ARMS["naive_no_rotation"],
 }
 
 #: Warm-up requests go through this policy (they fill the own prefix cache and the sidecar).

@@ -166,7 +166,7 @@ def test_recompute_tokens_and_window_guard_shape_the_plan(make_engine, prompts):
     k8 = engine.prefill(b, reuse=ReusePolicy(recompute_tokens=8, store=False))
     hits = [s for s in k8.steps if s.kind == "hit" and s.fidelity is Fidelity.APPROXIMATE]
     assert hits and all(s.offset >= 8 for s in hits)
-    plain = engine.prefill(b, reuse=NO_STORE)
+    plain = engine.prefill(b, reuse=ReusePolicy(recompute_tokens=0, store=False))
     assert k8.shifted_tokens < plain.shifted_tokens
     w = engine.prefill(b, reuse=ReusePolicy(left_context_window=32, store=False))
     assert w.shifted_tokens < plain.shifted_tokens  # the chunk right after the new header is refused
