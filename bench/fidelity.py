@@ -26,7 +26,9 @@ the append scenario the latter really served the prefix from the sidecar;
 naive reuse without rotation has a higher mean KL than rotated reuse wherever chunks shifted.
 
 Run: ``python -m bench.fidelity`` (a few minutes on 2 cores), ``--quick`` for a smoke run.
-Writes bench/results/fidelity.json.
+Writes bench/results/fidelity.json. ``--model smollm2`` (or any ``load_model`` source) runs the
+real-model quality benchmark instead (``bench/quality.py``: answer agreement, the default
+admission chosen from data); ``--model random`` is this one.
 """
 
 from __future__ import annotations
@@ -128,6 +130,15 @@ def checks(results: Sequence[dict]) -> list[tuple[str, bool]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    model = _model_arg(argv)
+    if model not in (None, "random"):
+        from bench import quality  # a real model: the quality benchmark
+
+        return quality.main(argv)
+    if model == "random":
+        i = argv.index("--model") if "--model" in argv else next(i for i, a in enumerate(argv) if a.startswith("--model="))
+        del argv[i : i + (2 if argv[i] == "--model" else 1)]
     p = argparse.ArgumentParser(prog="python -m bench.fidelity", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: agent_meta, edit_replay and append; 8 tokens")
     p.add_argument("--new-tokens", type=int, default=None, help="teacher-forced continuation length (default 32)")
@@ -185,6 +196,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0 if doc["checks_passed"] else 1
+
+
+def _model_arg(argv: Sequence[str]) -> str | None:
+    for i, a in enumerate(argv):
+        if a == "--model" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--model="):
+            return a.split("=", 1)[1]
+    return None
 
 
 def sidecar_config(template):

@@ -93,6 +93,22 @@ class HFChatTemplate:
         text = self.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
         return self.tokenizer.encode(text)
 
+    def append_user(self, prompt: np.ndarray, text: str) -> np.ndarray:
+        """``prompt`` (rendered with the generation prompt) with one more user message before a
+        new generation prompt: the ids ``render(messages + [user text])`` would give, for
+        templates that render a conversation as the concatenation of its message blocks
+        (ChatML and its relatives). Raises ValueError for templates that do not."""
+        base = [{"role": "system", "content": "x"}]
+        closed = self.render(base, add_generation_prompt=False)
+        opened = self.render(base)
+        asked = self.render(base + [{"role": "user", "content": text}])
+        gen = opened[len(closed):]
+        if not (np.array_equal(opened[: len(closed)], closed) and np.array_equal(asked[: len(closed)], closed)):
+            raise ValueError("chat template: messages do not render as appended blocks")
+        if len(gen) and not np.array_equal(prompt[len(prompt) - len(gen):], gen):
+            raise ValueError("prompt: does not end with the generation prompt")
+        return np.concatenate([prompt[: len(prompt) - len(gen)], asked[len(closed):]]).astype(np.uint32)
+
 
 def _plain(m: Mapping[str, Any]) -> dict[str, str]:
     """One message with tool calls / results written into its text content."""

@@ -167,6 +167,8 @@ class PrefillResult:
 class Generation:
     prompt: PrefillResult
     tokens: list[int] = field(default_factory=list)  # generated ids, first one included
+    #: float32 [len(tokens), vocab] log-probabilities of each step (``return_logprobs=True``)
+    logprobs: torch.Tensor | None = None
 
     @property
     def ttft_s(self) -> float:
@@ -288,8 +290,11 @@ class Engine:
         sampling: Sampling = Sampling(),
         reuse: ReusePolicy | None = None,
         stop_tokens: Sequence[int] = (),
+        return_logprobs: bool = False,
     ) -> Generation:
-        """Prefill, then decode up to ``max_new_tokens`` tokens (stopping after a stop token)."""
+        """Prefill, then decode up to ``max_new_tokens`` tokens (stopping after a stop token).
+        ``return_logprobs``: keep each step's distribution (the same rows ``score`` returns for
+        these tokens, without a second pass)."""
         if max_new_tokens <= 0:
             raise ValueError("max_new_tokens must be positive")
         reuse = reuse or self.reuse
@@ -301,15 +306,20 @@ class Engine:
         t0 = time.perf_counter()
         logits = res.logits
         pos = len(prompt)
+        rows: list[torch.Tensor] = []
         while True:
             tok = _select(logits, sampling, gen)
             out.tokens.append(tok)
+            if return_logprobs:
+                rows.append(logits)
             if len(out.tokens) >= max_new_tokens or tok in stop:
                 break
             logits = self._decode(res.cache, tok, pos)
             pos += 1
         self._sync()
         res.timings.decode_s = time.perf_counter() - t0
+        if return_logprobs:
+            out.logprobs = torch.log_softmax(torch.stack(rows).float(), dim=-1)
         if reuse.store and reuse.prefix_cache:
             seq = np.concatenate([prompt, np.asarray(out.tokens[:-1], dtype=np.uint32)])
             self.prefix_cache.insert(seq, res.cache)

@@ -10,6 +10,8 @@ cache path, so each path is scored on the same contexts::
     agreement       = mean_t [argmax p_arm(. | ..., y[:t]) == y_t]         (y_t = argmax p_full)
     first_divergence = the first t where they disagree (None: never)
     bit_identical   = every log-probability equal, bit for bit
+    answer_match    = the arm's greedy answer (up to the first stop token) equals full
+                      prefill's: argmax agrees on every answer step
 
 Arms (``ARMS``): full prefill; exact-prefix reuse (the engine's own prefix cache); sidecar
 position-independent reuse with the sidecar's default guards (``sidecar``); the sidecar's
@@ -87,6 +89,10 @@ class ArmResult:
     shifted_tokens: int
     prefill_tokens: int
     prompt_tokens: int
+    #: length of full prefill's greedy answer (up to and including its first stop token)
+    answer_tokens: int = 0
+    #: the arm's greedy answer equals full prefill's (argmax agrees on every answer step)
+    answer_match: bool = True
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -111,6 +117,15 @@ def compare(ref_logp: torch.Tensor, logp: torch.Tensor, forced: Sequence[int]) -
     }
 
 
+def answer_length(forced: Sequence[int], stop_tokens: Sequence[int]) -> int:
+    """Tokens of the greedy answer: up to and including the first stop token (all if none)."""
+    stop = set(int(t) for t in stop_tokens)
+    for i, t in enumerate(forced):
+        if int(t) in stop:
+            return i + 1
+    return len(forced)
+
+
 def evaluate(
     engine: Engine,
     warm: Sequence[np.ndarray],
@@ -124,15 +139,34 @@ def evaluate(
     greedy continuation of ``new_tokens`` tokens."""
     for w in warm:
         engine.prefill(w, reuse=WARM)
+    return evaluate_target(engine, target, new_tokens=new_tokens, arms=arms)
+
+
+def evaluate_target(
+    engine: Engine,
+    target: np.ndarray,
+    *,
+    new_tokens: int = 32,
+    arms: Mapping[str, ReusePolicy] = ARMS,
+) -> list[ArmResult]:
+    """Score ``target`` through every arm against full prefill (caches as they are now: no arm
+    changes them). The greedy answer of an arm equals full prefill's exactly when its argmax
+    agrees with the forced token on every answer step (before the first disagreement the arm's
+    own greedy prefix IS the forced prefix), so one teacher-forced pass gives both."""
     full = arms.get("full_prefill", ARMS["full_prefill"])
-    ref_gen = engine.generate(target, max_new_tokens=new_tokens, sampling=Sampling(), reuse=full)
+    ref_gen = engine.generate(target, max_new_tokens=new_tokens, sampling=Sampling(), reuse=full,
+                              return_logprobs=True)
     forced = ref_gen.tokens
-    ref = engine.score(target, forced, reuse=full).logprobs
+    ref = ref_gen.logprobs
+    n_answer = answer_length(forced, engine.stop_token_ids)
     out = []
     for name, policy in arms.items():
-        scored = engine.score(target, forced, reuse=policy)
-        pre = scored.prompt
-        m = compare(ref, scored.logprobs, forced)
+        if name == "full_prefill":
+            logprobs, pre = ref, ref_gen.prompt  # the reference itself
+        else:
+            scored = engine.score(target, forced, reuse=policy)
+            logprobs, pre = scored.logprobs, scored.prompt
+        m = compare(ref, logprobs, forced)
         out.append(
             ArmResult(
                 arm=name,
@@ -145,6 +179,8 @@ def evaluate(
                 shifted_tokens=pre.shifted_tokens,
                 prefill_tokens=pre.prefill_tokens,
                 prompt_tokens=len(pre.tokens),
+                answer_tokens=n_answer,
+                answer_match=bool(m["agree"][:n_answer].all()),
             )
         )
     return out

