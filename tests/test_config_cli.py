@@ -65,6 +65,23 @@ def test_cli_version_help_config():
     assert out.returncode == 2 and "bogus" in out.stderr
 
 
+def test_default_guards_are_validated():
+    c = load_config(env={}, overrides={"default_recompute_tokens": 0, "default_left_context_window": 32})
+    assert (c.default_recompute_tokens, c.default_left_context_window) == (0, 32)
+    with pytest.raises(ValueError, match="default_recompute_tokens"):
+        load_config(env={}, overrides={"default_recompute_tokens": 10_000})
+    with pytest.raises(ValueError, match="default_left_context_window"):
+        load_config(env={}, overrides={"default_left_context_window": -1})
+
+
+def test_cli_anchors_of_the_real_models_tokenizer():
+    out = run_cli("anchors", "smollm2")
+    assert out.returncode == 0, out.stderr
+    assert "<|im_start|>" in out.stdout and "--set chunker.anchor_tokens=[1]" in out.stdout
+    out = run_cli("anchors", "no-such-model")
+    assert out.returncode == 2 and "no-such-model" in out.stderr and "registered name" in out.stderr
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_serve_and_graceful_shutdown(sig):
     env = dict(os.environ, KV_SIDECAR_GRACE_PERIOD_S="0.5")
