@@ -1,0 +1,59 @@
+"""Span directives -> op plans over a mirrored session layout; Splice transactions.
+
+The pure domain core of Splice (ARCHITECTURE.md, "The edit path"): no gRPC, no I/O.
+
+Public API:
+
+* ``Mode`` (AMORTIZE, FORGET) and ``Directive(start, end, replacement, mode)``: replace tokens
+  ``[start, end)`` of the session's current sequence; ``Edit`` is a validated directive;
+  ``validate_directives``, ``apply_edits`` (the reference definition of the edited sequence).
+* ``Layout``: tokens, slots, positions, per-slot rotation count and cumulative delta.
+* ``SessionMirror``: one engine session (layout, block allocator, version); ``append``,
+  ``commit``. ``SessionInfo`` is its immutable snapshot. ``BlockAllocator``: its block ids.
+* ``plan_splice(session, directives, *, vocab_size, refresh_after, max_directives) -> OpPlan``.
+* ``OpPlan`` (plan id, versions, ordered ``Op``s, post-commit ``layout``, ``PlanSummary``),
+  ``Op``, ``OpKind`` (FREE, ALLOCATE, PREFILL, ROTATE, MOVE, REFRESH).
+* ``check_plan(session, plan)``: the invariants; raises ``InvariantViolation``.
+* ``SessionTable`` / ``SessionConfig`` / ``ExpiryReport``: open, get, append, close, splice,
+  commit, abort, expire; per-tenant limits; pending-plan and idle expiry.
+* ``ToyPool`` / ``apply_plan``: an independent slot-by-slot pool simulator (tests, reference).
+
+Domain errors come from ``sidecar.errors`` (InvalidArgument, FailedPrecondition, NotFound,
+ResourceExhausted, InvariantViolation); the server maps them to statuses.
+"""
+
+from sidecar.directives.allocator import BlockAllocator
+from sidecar.directives.directive import Directive, Edit, Mode, apply_edits, validate_directives
+from sidecar.directives.invariants import check_plan
+from sidecar.directives.layout import Layout
+from sidecar.directives.mirror import SessionInfo, SessionMirror
+from sidecar.directives.plan import Op, OpKind, OpPlan, PlanId, PlanSummary, SessionId
+from sidecar.directives.planner import DEFAULT_REFRESH_AFTER, plan_splice
+from sidecar.directives.sessions import ExpiryReport, SessionConfig, SessionTable
+from sidecar.directives.simulator import ToyPool, apply_plan
+
+__all__ = [
+    "DEFAULT_REFRESH_AFTER",
+    "BlockAllocator",
+    "Directive",
+    "Edit",
+    "ExpiryReport",
+    "Layout",
+    "Mode",
+    "Op",
+    "OpKind",
+    "OpPlan",
+    "PlanId",
+    "PlanSummary",
+    "SessionConfig",
+    "SessionId",
+    "SessionInfo",
+    "SessionMirror",
+    "SessionTable",
+    "ToyPool",
+    "apply_edits",
+    "apply_plan",
+    "check_plan",
+    "plan_splice",
+    "validate_directives",
+]
