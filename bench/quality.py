@@ -168,6 +168,30 @@ def run_scenario(model, tokenizer, client, sc: Scenario, *, new_tokens: int, arm
     return out
 
 
+def run_floor(model, model_bf16, tokenizer, sc: Scenario, *, new_tokens: int) -> list[dict]:
+    """The numerical noise floor: full prefill of the same prompts in bfloat16 (how engines
+    serve) scored against the fp32 full-prefill reference, no cache anywhere. An approximate
+    cache path that changes answers no more often than this is within serving noise."""
+    from clients.transformers import CACHE_OFF, Engine
+    from clients.transformers.fidelity import answer_length, compare
+
+    ref_engine = Engine(model, tokenizer=tokenizer)
+    bf16_engine = Engine(model_bf16, tokenizer=tokenizer)
+    out = []
+    for i, target in enumerate(sc.targets):
+        ref = ref_engine.generate(target, max_new_tokens=new_tokens, reuse=CACHE_OFF, return_logprobs=True)
+        scored = bf16_engine.score(target, ref.tokens, reuse=CACHE_OFF)
+        m = compare(ref.logprobs, scored.logprobs, ref.tokens)
+        n_answer = answer_length(ref.tokens, ref_engine.stop_token_ids)
+        out.append({"scenario": sc.name, "question": i, "prompt_tokens": int(len(target)), "arms": [{
+            "arm": "full_prefill_bf16", "mean_kl": float(m["kl"].mean()), "max_kl": float(m["kl"].max()),
+            "agreement": float(m["agree"].mean()), "first_divergence": m["first_divergence"],
+            "bit_identical": m["bit_identical"], "recovered_tokens": 0, "shifted_tokens": 0,
+            "prefill_tokens": int(len(target)), "prompt_tokens": int(len(target)), "answer_tokens": n_answer,
+            "answer_match": bool(m["agree"][:n_answer].all())}]})
+    return out
+
+
 def aggregate(prompts: Sequence[dict], arms: Sequence[str]) -> dict[str, dict]:
     """Per arm over all question prompts: KL, agreement, answer agreement, reuse."""
     out = {}
@@ -212,7 +236,32 @@ def format_aggregate(agg: Mapping[str, dict], title: str) -> str:
     return "\n".join(lines)
 
 
-def plot(agg: Mapping[str, dict], per_scenario: Mapping[str, Mapping[str, dict]], path: Path, title: str) -> Path | None:
+def markdown_report(doc: Mapping[str, Any]) -> str:
+    """The results file as markdown tables (docs/fidelity.md is written from this)."""
+    floor = doc.get("noise_floor_bf16")
+    rows = dict(doc["aggregate"])
+    if floor:
+        rows["full_prefill_bf16"] = floor
+    head = ("| arm | reuse | shifted | answers = full prefill | answers changed | argmax agreement | mean KL | "
+            "max KL | prompts diverged |\n|---|---|---|---|---|---|---|---|---|")
+    lines = [f"All {len(doc['prompts'])} question prompts ({doc['new_tokens']} forced tokens):", "", head]
+    for arm, m in rows.items():
+        lines.append(f"| {arm} | {m['reuse']:.1%} | {m['shifted']:.1%} | {m['answer_agreement']:.1%} | "
+                     f"{m['answers_changed']} / {m['prompts']} | {m['agreement']:.1%} | {m['mean_kl']:.2e} | "
+                     f"{m['max_kl']:.2e} | {m['diverged']} |")
+    arms = [a for a in doc["aggregate"] if a != "full_prefill"]
+    lines += ["", "Answers changed per scenario (of " + str(doc["questions_per_scenario"]) + " prompts) and reuse:", "",
+              "| scenario | " + " | ".join(arms) + (" | bf16 floor |" if floor else " |"),
+              "|---|" + "---|" * (len(arms) + (1 if floor else 0))]
+    for sc, agg in doc["per_scenario"].items():
+        cells = [f"{agg[a]['answers_changed']} ({agg[a]['reuse']:.0%})" for a in arms]
+        if floor:
+            cells.append(str(floor["per_scenario"][sc]["answers_changed"]))
+        lines.append(f"| {sc} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(agg: Mapping[str, dict], path: Path, title: str, floor: Mapping[str, Any] | None = None) -> Path | None:
     try:
         import matplotlib
 
@@ -231,6 +280,11 @@ def plot(agg: Mapping[str, dict], per_scenario: Mapping[str, Mapping[str, dict]]
         ax2.annotate(arm, (m["reuse"] * 100, max(m["mean_kl"], 1e-9)), fontsize=8, xytext=(4, 3),
                      textcoords="offset points")
     ax1.axhline(ANSWER_GOAL * 100, color="grey", ls="--", lw=0.8)
+    if floor is not None:
+        ax1.axhline(floor["answer_agreement"] * 100, color="tab:red", ls=":", lw=1.0)
+        ax1.annotate("full prefill in bf16 (serving noise floor)", (0, floor["answer_agreement"] * 100),
+                     fontsize=8, color="tab:red", xytext=(2, -10), textcoords="offset points")
+        ax2.axhline(floor["mean_kl"], color="tab:red", ls=":", lw=1.0)
     ax1.set_xlabel("prompt tokens served from cache (%)")
     ax1.set_ylabel("greedy answer == full prefill (% of question prompts)")
     ax1.set_title("answers vs reuse")
@@ -256,6 +310,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="fast (SDPA; exact arms differ from full prefill by float rounding only) or the "
                         "batch-invariant attention (exact arms bit-identical, ~2x slower on long prompts)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--floor-only", action="store_true",
+                   help="only measure the bf16 full-prefill noise floor on the same prompts and add it to "
+                        "an existing results file (and its plot)")
+    p.add_argument("--report", action="store_true", help="print an existing results file as markdown and exit")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
     args = p.parse_args(argv)
@@ -265,6 +324,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_path = args.out or RESULTS / f"{stem}.json"
     png_path = args.plot or RESULTS / f"{stem}.png"
 
+    if args.report:
+        print(markdown_report(json.loads(out_path.read_text())))
+        return 0
+
     from bench.fidelity import sidecar_config
     from bench.harness import machine
     from bench.hf_chat import HFChatTemplate
@@ -273,6 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from sidecar.client import SyncSidecarClient
     from sidecar.server import ServerThread
 
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(args.model)
     template = HFChatTemplate(tokenizer)
@@ -284,6 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, anchors {template.anchor_token_ids}, "
           f"attention {attn}; {len(scenarios)} scenarios x {questions} questions, {new_tokens} forced tokens",
           flush=True)
+    if args.floor_only:
+        return _floor_only(args, model, tokenizer, scenarios, new_tokens, out_path, png_path, t0)
     prompts: list[dict] = []
     with ServerThread(sidecar_config(template)) as st, \
             SyncSidecarClient(st.target, tenant="quality", timeout_s=300) as client:
@@ -309,8 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     for what, ok in checks.items():
         print(f"check {'ok  ' if ok else 'FAIL'} {what}")
-    png = plot(agg, per_scenario, png_path,
-               f"{args.model}: reuse vs quality, {len(prompts)} question prompts, {new_tokens} forced tokens")
+    png = plot(agg, png_path, f"{args.model}: reuse vs quality, {len(prompts)} question prompts, {new_tokens} forced tokens")
     doc = {
         "benchmark": "fidelity on a real model: teacher-forced consistency and answer agreement vs full prefill",
         "model": {"name": args.model, "model_type": cfg.model_type, "layers": cfg.num_hidden_layers,
@@ -337,7 +405,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"total {total:.0f}s; wrote {out_path}" + (f" and {png}" if png else ""))
+    merge_floor(out_path, png_path, out_path.with_name(out_path.stem + "_floor.json"))
     return 0 if all(checks.values()) else 1
+
+
+def _floor_only(args, model, tokenizer, scenarios, new_tokens, out_path: Path, png_path: Path, t0: float) -> int:
+    import torch
+
+    from clients.transformers import load_model
+
+    model_bf16 = load_model(args.model, dtype=torch.bfloat16, attn_implementation=model.config._attn_implementation)
+    rows: list[dict] = []
+    for sc in scenarios:
+        t1 = time.perf_counter()
+        rows += run_floor(model, model_bf16, tokenizer, sc, new_tokens=new_tokens)
+        print(f"{sc.name}: {time.perf_counter() - t1:.0f}s", flush=True)
+    floor = aggregate(rows, ["full_prefill_bf16"])["full_prefill_bf16"]
+    floor["per_scenario"] = {sc.name: aggregate([r for r in rows if r["scenario"] == sc.name],
+                                                ["full_prefill_bf16"])["full_prefill_bf16"] for sc in scenarios}
+    floor["new_tokens"] = new_tokens
+    floor["questions_per_scenario"] = len(scenarios[0].targets)
+    floor["prompts_detail"] = rows
+    floor_path = out_path.with_name(out_path.stem + "_floor.json")
+    floor_path.write_text(json.dumps(floor, indent=1) + "\n")
+    print(format_aggregate({"full_prefill_bf16": floor}, f"\nnoise floor: {len(rows)} prompts"))
+    print(f"total {time.perf_counter() - t0:.0f}s; wrote {floor_path}")
+    merge_floor(out_path, png_path, floor_path)
+    return 0
+
+
+def merge_floor(out_path: Path, png_path: Path, floor_path: Path) -> bool:
+    """Add a floor file to the main results (same prompts) and redraw the plot with it."""
+    if not (out_path.exists() and floor_path.exists()):
+        return False
+    doc, floor = json.loads(out_path.read_text()), json.loads(floor_path.read_text())
+    if (doc["new_tokens"], doc["questions_per_scenario"]) != (floor["new_tokens"], floor["questions_per_scenario"]):
+        print(f"{floor_path} and {out_path} come from different settings; not merged")
+        return False
+    doc["noise_floor_bf16"] = {k: v for k, v in floor.items() if k != "prompts_detail"}
+    out_path.write_text(json.dumps(doc, indent=1) + "\n")
+    plot(doc["aggregate"], png_path, f"{doc['model']['name']}: reuse vs quality, {len(doc['prompts'])} question "
+         f"prompts, {doc['new_tokens']} forced tokens", floor=floor)
+    print(f"merged the bf16 noise floor into {out_path} and {png_path}")
+    return True
 
 
 if __name__ == "__main__":
