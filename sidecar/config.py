@@ -1,7 +1,7 @@
 """Typed configuration: defaults < config file < environment < command-line flags.
 
 * File: YAML or JSON, given by ``--config PATH`` or ``KV_SIDECAR_CONFIG``. Nested sections
-  mirror the dataclasses (``chunker:``, ``registry:``, ``auth:``).
+  mirror the dataclasses (``chunker:``, ``registry:``, ``auth:``, ``directives:``).
 * Environment: ``KV_SIDECAR_<KEY>`` for top-level keys (``KV_SIDECAR_PORT=50052``) and
   ``KV_SIDECAR_<SECTION>__<KEY>`` for nested ones (``KV_SIDECAR_REGISTRY__CAPACITY_BYTES=1e9``).
   Values are parsed as YAML scalars/lists (``[1, 2]``, ``true``).
@@ -23,6 +23,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
+from sidecar.directives import SessionConfig
 from sidecar.registry.chunker import ChunkerConfig
 from sidecar.registry.plan import AdmissionPolicy
 from sidecar.registry.registry import RegistryConfig
@@ -53,8 +54,62 @@ class AuthConfig:
         return bool(self.tokens)
 
 
+_SESSION_DEFAULTS = SessionConfig()
+
+
+@dataclass(frozen=True, kw_only=True)
+class DirectivesConfig:
+    """Span directives and Splice sessions (ARCHITECTURE.md, "The edit path"; docs/splice.md).
+
+    Limits are per tenant where they say so. ``refresh_after``: rotations a slot may go through
+    before a plan proposes REFRESH instead of rotating it again (None: never). ``vocab_size``:
+    token ids must be below it (None: any uint32). ``forget_tenants``: tenants whose edits are
+    all planned as ``forget`` whatever mode they ask for (content must leave the cache).
+    ``sweep_interval_s``: how often idle sessions and pending plans past their TTL are expired
+    (every call also enforces the deadlines of what it touches).
+    """
+
+    max_sessions_per_tenant: int = _SESSION_DEFAULTS.max_sessions_per_tenant
+    max_tokens_per_session: int = _SESSION_DEFAULTS.max_tokens_per_session
+    max_directives: int = _SESSION_DEFAULTS.max_directives  # per Splice
+    idle_ttl_s: float = _SESSION_DEFAULTS.idle_ttl_s
+    plan_ttl_s: float = _SESSION_DEFAULTS.plan_ttl_s
+    refresh_after: int | None = _SESSION_DEFAULTS.refresh_after
+    vocab_size: int | None = _SESSION_DEFAULTS.vocab_size
+    forget_tenants: tuple[str, ...] = ()
+    sweep_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "forget_tenants", tuple(self.forget_tenants))
+        for name in ("max_sessions_per_tenant", "max_tokens_per_session", "max_directives"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"directives.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("idle_ttl_s", "plan_ttl_s", "sweep_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"directives.{name} must be > 0, got {getattr(self, name)}")
+        if self.refresh_after is not None and self.refresh_after < 0:
+            raise ValueError(f"directives.refresh_after must be >= 0 or null, got {self.refresh_after}")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"directives.vocab_size must be >= 1 or null, got {self.vocab_size}")
+        for t in self.forget_tenants:
+            if not isinstance(t, str) or not t:
+                raise ValueError(f"directives.forget_tenants: tenant ids must be non-empty strings, got {t!r}")
+
+    def session_config(self) -> SessionConfig:
+        """The session table's share of these settings."""
+        return SessionConfig(
+            max_sessions_per_tenant=self.max_sessions_per_tenant,
+            max_tokens_per_session=self.max_tokens_per_session,
+            max_directives=self.max_directives,
+            idle_ttl_s=self.idle_ttl_s,
+            plan_ttl_s=self.plan_ttl_s,
+            refresh_after=self.refresh_after,
+            vocab_size=self.vocab_size,
+        )
+
+
 #: ``default_recompute_tokens`` out of the box (docs/fidelity.md: the real-model sweep).
-DEFAULT_RECOMPUTE_TOKENS = 8
+DEFAULT_RECOMPUTE_TOKENS = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +133,7 @@ class SidecarConfig:
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    directives: DirectivesConfig = field(default_factory=DirectivesConfig)
     max_fetch_items: int = 4096
     fetch_part_bytes: int = 4 << 20
 
