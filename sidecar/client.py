@@ -14,6 +14,16 @@ Example::
         ident = CacheIdentity(model_id="llama-3.1-8b")
         plan = await client.lookup(tokens, identity=ident, engine_prefix_len=512)
         await client.store(tokens, identity=ident)
+
+Span directives (docs/splice.md)::
+
+        session = await client.open_session(tokens, block_size=16)
+        plan = await client.splice(session.session_id, session.version, [(120, 180, stub, "amortize")])
+        ...  # apply plan.ops in order to the engine's cache
+        session = await client.commit_splice(plan.plan_id)   # or abort_splice(plan.plan_id)
+
+None of the session calls is retried (none is idempotent: a retried Splice would meet its own
+pending plan).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 import numpy as np
 
+from sidecar.directives import Directive, OpPlan, PlanId, SessionId
 from sidecar.errors import SidecarError, error_for_status
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.registry.plan import AdmissionPolicy, LookupPlan
@@ -35,12 +46,16 @@ from sidecar.tenancy import AUTH_HEADER, TENANT_HEADER
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 from sidecar.wire import POLICY_TO_WIRE, identity_to_wire, layout_to_wire, plan_from_wire, rope_to_wire, tokens_to_wire
+from sidecar.wire_directives import SessionState, directives_to_wire, session_from_wire
+from sidecar.wire_directives import plan_from_wire as op_plan_from_wire
 
 if TYPE_CHECKING:
     from sidecar.rotation import RopeSpec
 
 T = TypeVar("T")
 Tokens = "np.ndarray | Sequence[int] | bytes"
+#: A directive: ``Directive(start=, end=, replacement=, mode=)`` or ``(start, end, replacement[, mode])``.
+DirectiveLike = "Directive | tuple"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -294,6 +309,19 @@ def _store_result(resp: pb.StoreResponse) -> StoreResult:
     )
 
 
+def _open_session_request(tokens: Tokens, block_size: int, identity: CacheIdentity | None) -> pb.OpenSessionRequest:
+    req = pb.OpenSessionRequest(tokens=tokens_to_wire(tokens), block_size=block_size)
+    if identity is not None:
+        req.identity.CopyFrom(identity_to_wire(identity))
+    return req
+
+
+def _splice_request(session_id: str, expected_version: int, directives: Sequence[DirectiveLike]) -> pb.SpliceRequest:
+    return pb.SpliceRequest(
+        session_id=session_id, expected_version=expected_version, directives=directives_to_wire(directives)
+    )
+
+
 def _headers(tenant: str | None, token: str | None) -> tuple[tuple[str, str], ...]:
     md: list[tuple[str, str]] = []
     if tenant:
@@ -448,6 +476,50 @@ class SidecarClient(_ClientBase):
     async def ping(self) -> None:
         await self._call(lambda: self._stub.Ping(pb.PingRequest(), metadata=self._metadata, timeout=self._timeout))
 
+    # ------------------------------------------------------------------- sessions / Splice
+
+    async def _session_call(self, method: str, req: Any) -> Any:
+        rpc = getattr(self._stub, method)
+        return await self._call(lambda: rpc(req, metadata=self._metadata, timeout=self._timeout), idempotent=False)
+
+    async def open_session(
+        self, tokens: Tokens = (), *, block_size: int, identity: CacheIdentity | None = None
+    ) -> SessionState:
+        """Mirror an engine session holding ``tokens`` at positions ``0..n-1`` in a pool of
+        ``block_size``-token blocks (1 for token pools). Returns version 0 and the block table
+        (the session's block ids, which the engine binds to its own blocks)."""
+        req = _open_session_request(tokens, block_size, identity)
+        return session_from_wire(await self._session_call("OpenSession", req))
+
+    async def append_session(self, session_id: str, tokens: Tokens) -> SessionState:
+        """The engine computed ``tokens`` after the session's end. The version is unchanged."""
+        req = pb.AppendSessionRequest(session_id=session_id, tokens=tokens_to_wire(tokens))
+        return session_from_wire(await self._session_call("AppendSession", req))
+
+    async def get_session(self, session_id: str) -> SessionState:
+        """The session now, with its pending plan's id (``pending_plan_id``) if any."""
+        return session_from_wire(await self._session_call("GetSession", pb.GetSessionRequest(session_id=session_id)))
+
+    async def close_session(self, session_id: str) -> None:
+        """Forget the session (a pending plan is aborted). NotFound if already gone."""
+        await self._session_call("CloseSession", pb.CloseSessionRequest(session_id=session_id))
+
+    async def splice(self, session_id: str, expected_version: int, directives: Sequence[DirectiveLike]) -> OpPlan:
+        """Plan ``directives`` against the session at ``expected_version``. The answer is a
+        ``sidecar.directives.OpPlan`` (numpy arrays): apply its ops in order, then
+        ``commit_splice(plan.plan_id)``, or ``abort_splice``. The plan is pending (no other
+        Splice or append on the session) until then, or until the server's plan TTL passes."""
+        req = _splice_request(session_id, expected_version, directives)
+        return op_plan_from_wire(await self._session_call("Splice", req))
+
+    async def commit_splice(self, plan_id: str) -> SessionState:
+        """The engine applied the plan: the session takes its layout and next version."""
+        return session_from_wire(await self._session_call("CommitSplice", pb.CommitSpliceRequest(plan_id=plan_id)))
+
+    async def abort_splice(self, plan_id: str) -> SessionState:
+        """Drop the pending plan; returns the session as it was before the Splice."""
+        return session_from_wire(await self._session_call("AbortSplice", pb.AbortSpliceRequest(plan_id=plan_id)))
+
 
 class SyncSidecarClient(_ClientBase):
     """Blocking client on grpc's synchronous channel (same requests, errors and retries).
@@ -528,6 +600,37 @@ class SyncSidecarClient(_ClientBase):
     def ping(self) -> None:
         self._call(lambda: self._stub.Ping(pb.PingRequest(), metadata=self._metadata, timeout=self._timeout))
 
+    # ------------------------------------------------------------------- sessions / Splice
+    # See SidecarClient for the contracts.
+
+    def _session_call(self, method: str, req: Any) -> Any:
+        rpc = getattr(self._stub, method)
+        return self._call(lambda: rpc(req, metadata=self._metadata, timeout=self._timeout), idempotent=False)
+
+    def open_session(
+        self, tokens: Tokens = (), *, block_size: int, identity: CacheIdentity | None = None
+    ) -> SessionState:
+        return session_from_wire(self._session_call("OpenSession", _open_session_request(tokens, block_size, identity)))
+
+    def append_session(self, session_id: str, tokens: Tokens) -> SessionState:
+        req = pb.AppendSessionRequest(session_id=session_id, tokens=tokens_to_wire(tokens))
+        return session_from_wire(self._session_call("AppendSession", req))
+
+    def get_session(self, session_id: str) -> SessionState:
+        return session_from_wire(self._session_call("GetSession", pb.GetSessionRequest(session_id=session_id)))
+
+    def close_session(self, session_id: str) -> None:
+        self._session_call("CloseSession", pb.CloseSessionRequest(session_id=session_id))
+
+    def splice(self, session_id: str, expected_version: int, directives: Sequence[DirectiveLike]) -> OpPlan:
+        return op_plan_from_wire(self._session_call("Splice", _splice_request(session_id, expected_version, directives)))
+
+    def commit_splice(self, plan_id: str) -> SessionState:
+        return session_from_wire(self._session_call("CommitSplice", pb.CommitSpliceRequest(plan_id=plan_id)))
+
+    def abort_splice(self, plan_id: str) -> SessionState:
+        return session_from_wire(self._session_call("AbortSplice", pb.AbortSpliceRequest(plan_id=plan_id)))
+
     def close(self) -> None:
         self._channel.close()
 
@@ -538,4 +641,16 @@ class SyncSidecarClient(_ClientBase):
         self.close()
 
 
-__all__ = ["FetchedKV", "RetryPolicy", "SidecarClient", "SidecarError", "StoreResult", "SyncSidecarClient"]
+__all__ = [
+    "Directive",
+    "FetchedKV",
+    "OpPlan",
+    "PlanId",
+    "RetryPolicy",
+    "SessionId",
+    "SessionState",
+    "SidecarClient",
+    "SidecarError",
+    "StoreResult",
+    "SyncSidecarClient",
+]

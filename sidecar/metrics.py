@@ -27,6 +27,14 @@ kv_sidecar_registry_entries / _bytes            registry size (gauges)
 kv_sidecar_registry_evictions_total{reason}     evictions (capacity_entries | capacity_bytes |
                                                 deleted)
 kv_sidecar_registry_verify_failures_total       fingerprint hits whose tokens did not match
+kv_sidecar_sessions                             mirrored engine sessions open (gauge)
+kv_sidecar_splices_total{mode,outcome}          Splice plans by mode (amortize | forget: any
+                                                directive forgets) and outcome (planned |
+                                                committed | aborted | expired | refused)
+kv_sidecar_splice_tokens_total{kind}            tokens of committed plans: prefilled | kept |
+                                                moved | rotated | refreshed
+kv_sidecar_splice_seconds                       server-side Splice latency: decode, plan,
+                                                invariant check, encode (histogram)
 kv_sidecar_cache_invariant_violations_total     broken invariants: alert on any non-zero
 kv_sidecar_build_info{version}                  1
 =============================================== =========================================
@@ -42,6 +50,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from sidecar.dataplane import DataPlane
+    from sidecar.directives import SessionTable
     from sidecar.registry.registry import InMemoryRegistry
 
 logger = logging.getLogger(__name__)
@@ -102,6 +111,14 @@ class _DataPlaneCollector:
         yield CounterMetricFamily("kv_sidecar_fetch_misses", "Fetch items that missed", value=c.fetch_misses)
 
 
+class _SessionCollector:
+    def __init__(self, table: "SessionTable") -> None:
+        self._table = table
+
+    def collect(self):
+        yield GaugeMetricFamily("kv_sidecar_sessions", "Mirrored engine sessions open", value=len(self._table))
+
+
 class Metrics:
     def __init__(self, version: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -120,6 +137,13 @@ class Metrics:
         self.fetch_bytes = Counter("kv_sidecar_fetch_bytes", "KV payload bytes streamed by Fetch", registry=r)
         self.fetch_seconds = Histogram("kv_sidecar_fetch_seconds", "Fetch, server side", registry=r)
         self.evictions = Counter("kv_sidecar_registry_evictions", "Registry evictions", ["reason"], registry=r)
+        self.splices = Counter("kv_sidecar_splices", "Splice plans by mode and outcome", ["mode", "outcome"], registry=r)
+        self.splice_tokens = Counter(
+            "kv_sidecar_splice_tokens", "Tokens of committed Splice plans by what happens to them", ["kind"], registry=r
+        )
+        self.splice_seconds = Histogram(
+            "kv_sidecar_splice_seconds", "Server-side Splice latency", buckets=_LATENCY_BUCKETS, registry=r
+        )
         self.invariant_violations = Counter(
             "kv_sidecar_cache_invariant_violations", "Broken cache invariants (alert on any)", registry=r
         )
@@ -132,6 +156,9 @@ class Metrics:
 
     def watch_dataplane(self, dataplane: "DataPlane") -> None:
         self.registry.register(_DataPlaneCollector(dataplane))
+
+    def watch_sessions(self, table: "SessionTable") -> None:
+        self.registry.register(_SessionCollector(table))
 
     def serve_http(self, host: str, port: int) -> int:
         """Start the /metrics endpoint in a daemon thread; returns the bound port."""

@@ -1,12 +1,14 @@
 """The gRPC server: ``create_server(config) -> (server, port)`` on grpc.aio + uvloop.
 
 The servicer is thin: it resolves the tenant, validates and converts the wire request
-(``sidecar.wire``), calls the domain (``ChunkIndex``), converts the result back and counts it.
+(``sidecar.wire``, ``sidecar.wire_directives``), calls the domain (``ChunkIndex``; sessions and
+Splice through ``SpliceService``), converts the result back and counts it.
 Exceptions map to gRPC statuses in one place (``sidecar.errors.status_for``); a request that
 fails validation changes nothing.
 
 Also served: gRPC health checking (``grpc.health.v1.Health``; NOT_SERVING during shutdown) and
-server reflection (grpcurl works without the proto), plus Prometheus on ``metrics_port``.
+server reflection (grpcurl works without the proto), plus Prometheus on ``metrics_port``. A
+background task expires idle sessions and pending Splice plans (``directives.sweep_interval_s``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from sidecar import __version__
 from sidecar.config import SidecarConfig
 from sidecar.dataplane import DataPlane
+from sidecar.directives import SessionTable
 from sidecar.errors import InvalidArgument, InvariantViolation, status_for
 from sidecar.identity import SHARED_SCOPE
 from sidecar.metrics import Metrics
@@ -34,6 +37,7 @@ from sidecar.registry.chunker import warmup
 from sidecar.registry.index import ChunkIndex, LookupQuery
 from sidecar.registry.plan import AdmissionPolicy
 from sidecar.registry.registry import InMemoryRegistry
+from sidecar.splice_service import SpliceService
 from sidecar.tenancy import Tenancy
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
@@ -45,12 +49,26 @@ from sidecar.wire import (
     rope_from_wire,
     tokens_from_wire,
 )
+from sidecar.wire_directives import (
+    directives_from_wire,
+    plan_id_from_wire,
+    request_mode,
+    session_id_from_wire,
+    session_to_wire,
+    session_tokens_from_wire,
+)
+from sidecar.wire_directives import plan_to_wire as op_plan_to_wire
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVSidecar"].full_name
 TIER_NAMES = frozenset(("gpu", "cpu", "disk", "remote"))
 _PING = pb.PingResponse()
+_CLOSED = pb.CloseSessionResponse()
+_METHODS = (
+    "Lookup", "Store", "Fetch", "Evict", "Delete", "Stats", "Ping",
+    "OpenSession", "AppendSession", "GetSession", "CloseSession", "Splice", "CommitSplice", "AbortSplice",
+)
 
 
 def _serialize_fetch(msg: pb.FetchResponse | bytes) -> bytes:
@@ -135,17 +153,18 @@ def _rpc(method: str) -> Callable:
 
 
 class KVSidecarServicer(pb_grpc.KVSidecarServicer):
-    def __init__(self, config: SidecarConfig, index: ChunkIndex, dataplane: DataPlane, metrics: Metrics) -> None:
+    def __init__(
+        self, config: SidecarConfig, index: ChunkIndex, dataplane: DataPlane, metrics: Metrics, sessions: SpliceService
+    ) -> None:
         self.config = config
         self.index = index
         self.dataplane = dataplane
         self.metrics = metrics
+        self.sessions = sessions
         self.tenancy = Tenancy(config.auth, config.default_tenant)
         self.identities = IdentityCache()
         self.started = time.time()
-        self._ok = {
-            m: metrics.requests.labels(m, "OK") for m in ("Lookup", "Store", "Fetch", "Evict", "Delete", "Stats", "Ping")
-        }
+        self._ok = {m: metrics.requests.labels(m, "OK") for m in _METHODS}
         self._lookup_counters = {}
         self.totals = {"lookups": 0, "lookup_tokens": 0, "prefix": 0, "exact": 0, "shifted": 0, "prefill": 0}
 
@@ -411,18 +430,83 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
     async def Ping(self, request: pb.PingRequest, context: grpc.aio.ServicerContext) -> pb.PingResponse:
         return _PING
 
+    # ---------------------------------------------------------------------- sessions / Splice
+
+    @_rpc("OpenSession")
+    async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
+        tenant = self.tenancy.resolve(context.invocation_metadata())
+        if request.HasField("identity"):
+            self.identities.get(request.identity, True)  # validated only (docs/splice.md)
+        tokens = session_tokens_from_wire(request.tokens)
+        return session_to_wire(self.sessions.open(tenant, tokens, request.block_size))
+
+    @_rpc("AppendSession")
+    async def AppendSession(self, request: pb.AppendSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
+        tenant = self.tenancy.resolve(context.invocation_metadata())
+        sid = session_id_from_wire(request.session_id)
+        return session_to_wire(self.sessions.append(tenant, sid, session_tokens_from_wire(request.tokens)))
+
+    @_rpc("GetSession")
+    async def GetSession(self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
+        tenant = self.tenancy.resolve(context.invocation_metadata())
+        info, pending = self.sessions.get(tenant, session_id_from_wire(request.session_id))
+        return session_to_wire(info, pending)
+
+    @_rpc("CloseSession")
+    async def CloseSession(
+        self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CloseSessionResponse:
+        tenant = self.tenancy.resolve(context.invocation_metadata())
+        self.sessions.close(tenant, session_id_from_wire(request.session_id))
+        return _CLOSED
+
+    @_rpc("Splice")
+    async def Splice(self, request: pb.SpliceRequest, context: grpc.aio.ServicerContext) -> pb.OpPlan:
+        t0 = time.perf_counter()
+        tenant = self.tenancy.resolve(context.invocation_metadata())
+        sessions = self.sessions
+        forget = sessions.forces_forget(tenant)
+        try:
+            sid = session_id_from_wire(request.session_id)
+            directives = directives_from_wire(
+                request.directives, max_directives=sessions.table.config.max_directives, force_forget=forget
+            )
+            plan = sessions.splice(tenant, sid, request.expected_version, directives)
+        except Exception:
+            sessions.refused(request_mode(request.directives, forget))
+            raise
+        msg = op_plan_to_wire(plan, sessions.table.config.plan_ttl_s)
+        self.metrics.splice_seconds.observe(time.perf_counter() - t0)
+        return msg
+
+    @_rpc("CommitSplice")
+    async def CommitSplice(self, request: pb.CommitSpliceRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
+        tenant = self.tenancy.resolve(context.invocation_metadata())
+        return session_to_wire(self.sessions.commit(tenant, plan_id_from_wire(request.plan_id)))
+
+    @_rpc("AbortSplice")
+    async def AbortSplice(self, request: pb.AbortSpliceRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
+        tenant = self.tenancy.resolve(context.invocation_metadata())
+        return session_to_wire(self.sessions.abort(tenant, plan_id_from_wire(request.plan_id)))
+
 
 class SidecarServer:
-    """A started sidecar: gRPC server, health, metrics endpoint. Stop with ``await stop()``."""
+    """A started sidecar: gRPC server, health, metrics endpoint. Stop with ``await stop()``.
 
-    def __init__(self, config: SidecarConfig) -> None:
+    ``session_table`` replaces the session table built from ``config.directives`` (tests); its
+    ``config`` then rules the session limits and TTLs.
+    """
+
+    def __init__(self, config: SidecarConfig, *, session_table: SessionTable | None = None) -> None:
         self.config = config
         self.metrics = Metrics(__version__)
         self.index = ChunkIndex(config.chunker, InMemoryRegistry(config.registry))
         self.dataplane = DataPlane(self.index, config.store)
         self.metrics.watch_registry(self.index.registry)
         self.metrics.watch_dataplane(self.dataplane)
-        self.servicer = KVSidecarServicer(config, self.index, self.dataplane, self.metrics)
+        self.sessions = SpliceService(config.directives, self.metrics, table=session_table)
+        self.metrics.watch_sessions(self.sessions.table)
+        self.servicer = KVSidecarServicer(config, self.index, self.dataplane, self.metrics, self.sessions)
         opts = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -439,6 +523,7 @@ class SidecarServer:
         self.port = 0
         self.metrics_port = -1
         self._stopped = False
+        self._sweeper: asyncio.Task | None = None
 
     async def start(self) -> int:
         cfg = self.config
@@ -453,6 +538,7 @@ class SidecarServer:
         warmup(cfg.chunker)
         self.dataplane.recover()  # logs what it rebuilt
         await self.grpc.start()
+        self._sweeper = asyncio.get_running_loop().create_task(self.sessions.run_sweeper(), name="session-expiry")
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if cfg.metrics_port >= 0:
             self.metrics_port = self.metrics.serve_http(cfg.metrics_host, cfg.metrics_port)
@@ -472,6 +558,9 @@ class SidecarServer:
         self._stopped = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.stop(self.config.grace_period_s if grace is None else grace)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
         await asyncio.to_thread(self.dataplane.close)
         self.metrics.close()
         logger.info("kv-sidecar stopped")

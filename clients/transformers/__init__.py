@@ -39,6 +39,14 @@ from clients.transformers.models import (
 )
 from clients.transformers.prefix_cache import PrefixCache
 from clients.transformers.pretrained import STANDARD_MODEL, hf_directory, load_tokenizer
+from clients.transformers.splice import (
+    PlanNotApplicable,
+    SpliceResult,
+    SpliceSession,
+    SpliceTimings,
+    clone_cache,
+    splice_cache,
+)
 from sidecar.registry.anchors import anchor_token_ids
 
 __all__ = [
@@ -51,6 +59,7 @@ __all__ = [
     "Engine",
     "Generation",
     "KVAdapter",
+    "PlanNotApplicable",
     "PrefillResult",
     "PrefixCache",
     "ReusePolicy",
@@ -58,14 +67,19 @@ __all__ = [
     "Sampling",
     "Scored",
     "SequenceCache",
+    "SpliceResult",
+    "SpliceSession",
+    "SpliceTimings",
     "Timings",
     "anchor_token_ids",
     "build_model",
+    "clone_cache",
     "deepseek_v2_config",
     "default_device",
     "hf_directory",
     "llama_config",
     "load_model",
     "load_tokenizer",
+    "splice_cache",
     "weights_fingerprint",
 ]

@@ -31,6 +31,22 @@ class ChunkStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CHUNK_STATUS_UNSPECIFIED: _ClassVar[ChunkStatus]
     CHUNK_STATUS_OK: _ClassVar[ChunkStatus]
     CHUNK_STATUS_MISS: _ClassVar[ChunkStatus]
+
+class SpliceMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SPLICE_MODE_UNSPECIFIED: _ClassVar[SpliceMode]
+    SPLICE_MODE_AMORTIZE: _ClassVar[SpliceMode]
+    SPLICE_MODE_FORGET: _ClassVar[SpliceMode]
+
+class OpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OP_KIND_UNSPECIFIED: _ClassVar[OpKind]
+    OP_KIND_FREE: _ClassVar[OpKind]
+    OP_KIND_ALLOCATE: _ClassVar[OpKind]
+    OP_KIND_PREFILL: _ClassVar[OpKind]
+    OP_KIND_ROTATE: _ClassVar[OpKind]
+    OP_KIND_MOVE: _ClassVar[OpKind]
+    OP_KIND_REFRESH: _ClassVar[OpKind]
 ADMISSION_POLICY_UNSPECIFIED: AdmissionPolicy
 ADMISSION_POLICY_EXACT: AdmissionPolicy
 ADMISSION_POLICY_POSITION_INDEPENDENT: AdmissionPolicy
@@ -44,6 +60,16 @@ FIDELITY_APPROXIMATE: Fidelity
 CHUNK_STATUS_UNSPECIFIED: ChunkStatus
 CHUNK_STATUS_OK: ChunkStatus
 CHUNK_STATUS_MISS: ChunkStatus
+SPLICE_MODE_UNSPECIFIED: SpliceMode
+SPLICE_MODE_AMORTIZE: SpliceMode
+SPLICE_MODE_FORGET: SpliceMode
+OP_KIND_UNSPECIFIED: OpKind
+OP_KIND_FREE: OpKind
+OP_KIND_ALLOCATE: OpKind
+OP_KIND_PREFILL: OpKind
+OP_KIND_ROTATE: OpKind
+OP_KIND_MOVE: OpKind
+OP_KIND_REFRESH: OpKind
 
 class CacheIdentity(_message.Message):
     __slots__ = ("model_id", "weights_hash", "tokenizer_hash", "kv_layout", "rope_fingerprint", "block_size", "namespace")
@@ -338,3 +364,171 @@ class PingRequest(_message.Message):
 class PingResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "version", "length", "block_size", "live_blocks", "block_table", "pending_plan_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    version: int
+    length: int
+    block_size: int
+    live_blocks: int
+    block_table: bytes
+    pending_plan_id: str
+    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[int] = ..., length: _Optional[int] = ..., block_size: _Optional[int] = ..., live_blocks: _Optional[int] = ..., block_table: _Optional[bytes] = ..., pending_plan_id: _Optional[str] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("tokens", "block_size", "identity")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    tokens: bytes
+    block_size: int
+    identity: CacheIdentity
+    def __init__(self, tokens: _Optional[bytes] = ..., block_size: _Optional[int] = ..., identity: _Optional[_Union[CacheIdentity, _Mapping]] = ...) -> None: ...
+
+class AppendSessionRequest(_message.Message):
+    __slots__ = ("session_id", "tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tokens: bytes
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[bytes] = ...) -> None: ...
+
+class GetSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Directive(_message.Message):
+    __slots__ = ("start", "end", "replacement", "mode")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    REPLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    replacement: bytes
+    mode: SpliceMode
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., replacement: _Optional[bytes] = ..., mode: _Optional[_Union[SpliceMode, str]] = ...) -> None: ...
+
+class SpliceRequest(_message.Message):
+    __slots__ = ("session_id", "expected_version", "directives")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DIRECTIVES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    expected_version: int
+    directives: _containers.RepeatedCompositeFieldContainer[Directive]
+    def __init__(self, session_id: _Optional[str] = ..., expected_version: _Optional[int] = ..., directives: _Optional[_Iterable[_Union[Directive, _Mapping]]] = ...) -> None: ...
+
+class Op(_message.Message):
+    __slots__ = ("kind", "slots", "positions", "src_slots", "tokens", "blocks", "delta", "cum_deltas")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    SRC_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    CUM_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    kind: OpKind
+    slots: bytes
+    positions: bytes
+    src_slots: bytes
+    tokens: bytes
+    blocks: bytes
+    delta: int
+    cum_deltas: bytes
+    def __init__(self, kind: _Optional[_Union[OpKind, str]] = ..., slots: _Optional[bytes] = ..., positions: _Optional[bytes] = ..., src_slots: _Optional[bytes] = ..., tokens: _Optional[bytes] = ..., blocks: _Optional[bytes] = ..., delta: _Optional[int] = ..., cum_deltas: _Optional[bytes] = ...) -> None: ...
+
+class SessionLayout(_message.Message):
+    __slots__ = ("tokens", "slots", "rotations", "cum_deltas")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ROTATIONS_FIELD_NUMBER: _ClassVar[int]
+    CUM_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    tokens: bytes
+    slots: bytes
+    rotations: bytes
+    cum_deltas: bytes
+    def __init__(self, tokens: _Optional[bytes] = ..., slots: _Optional[bytes] = ..., rotations: _Optional[bytes] = ..., cum_deltas: _Optional[bytes] = ...) -> None: ...
+
+class SpliceSummary(_message.Message):
+    __slots__ = ("tokens_before", "tokens_after", "tokens_kept", "tokens_prefilled", "slots_reindexed", "slots_moved", "slots_rotated", "rotations", "blocks_freed", "blocks_allocated", "refresh_proposals")
+    TOKENS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_AFTER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_KEPT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PREFILLED_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_REINDEXED_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_ROTATED_FIELD_NUMBER: _ClassVar[int]
+    ROTATIONS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FREED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_ALLOCATED_FIELD_NUMBER: _ClassVar[int]
+    REFRESH_PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    tokens_before: int
+    tokens_after: int
+    tokens_kept: int
+    tokens_prefilled: int
+    slots_reindexed: int
+    slots_moved: int
+    slots_rotated: int
+    rotations: int
+    blocks_freed: int
+    blocks_allocated: int
+    refresh_proposals: int
+    def __init__(self, tokens_before: _Optional[int] = ..., tokens_after: _Optional[int] = ..., tokens_kept: _Optional[int] = ..., tokens_prefilled: _Optional[int] = ..., slots_reindexed: _Optional[int] = ..., slots_moved: _Optional[int] = ..., slots_rotated: _Optional[int] = ..., rotations: _Optional[int] = ..., blocks_freed: _Optional[int] = ..., blocks_allocated: _Optional[int] = ..., refresh_proposals: _Optional[int] = ...) -> None: ...
+
+class OpPlan(_message.Message):
+    __slots__ = ("plan_id", "session_id", "base_version", "next_version", "block_size", "ops", "layout", "edits", "summary", "ttl_s")
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NEXT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    EDITS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    plan_id: str
+    session_id: str
+    base_version: int
+    next_version: int
+    block_size: int
+    ops: _containers.RepeatedCompositeFieldContainer[Op]
+    layout: SessionLayout
+    edits: bytes
+    summary: SpliceSummary
+    ttl_s: float
+    def __init__(self, plan_id: _Optional[str] = ..., session_id: _Optional[str] = ..., base_version: _Optional[int] = ..., next_version: _Optional[int] = ..., block_size: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ..., layout: _Optional[_Union[SessionLayout, _Mapping]] = ..., edits: _Optional[bytes] = ..., summary: _Optional[_Union[SpliceSummary, _Mapping]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class CommitSpliceRequest(_message.Message):
+    __slots__ = ("plan_id",)
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    plan_id: str
+    def __init__(self, plan_id: _Optional[str] = ...) -> None: ...
+
+class AbortSpliceRequest(_message.Message):
+    __slots__ = ("plan_id",)
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    plan_id: str
+    def __init__(self, plan_id: _Optional[str] = ...) -> None: ...

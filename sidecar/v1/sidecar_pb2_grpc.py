@@ -69,6 +69,41 @@ class KVSidecarStub(object):
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.PingRequest.SerializeToString,
                 response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.PingResponse.FromString,
                 _registered_method=True)
+        self.OpenSession = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/OpenSession',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.AppendSession = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/AppendSession',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.AppendSessionRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.GetSession = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/GetSession',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.GetSessionRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/CloseSession',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
+        self.Splice = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/Splice',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.SpliceRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.OpPlan.FromString,
+                _registered_method=True)
+        self.CommitSplice = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/CommitSplice',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.CommitSpliceRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.AbortSplice = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/AbortSplice',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.AbortSpliceRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.SessionInfo.FromString,
+                _registered_method=True)
 
 
 class KVSidecarServicer(object):
@@ -121,6 +156,50 @@ class KVSidecarServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenSession(self, request, context):
+        """Span directives (docs/splice.md): mirror an engine session, plan edits against it as op
+        plans, commit or abort them. One pending plan per session; pending plans expire.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AppendSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Splice(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitSplice(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortSplice(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVSidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +237,41 @@ def add_KVSidecarServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.PingRequest.FromString,
                     response_serializer=sidecar_dot_v1_dot_sidecar__pb2.PingResponse.SerializeToString,
+            ),
+            'OpenSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.OpenSessionRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.SessionInfo.SerializeToString,
+            ),
+            'AppendSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.AppendSession,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.AppendSessionRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.SessionInfo.SerializeToString,
+            ),
+            'GetSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSession,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.GetSessionRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.SessionInfo.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.CloseSessionRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'Splice': grpc.unary_unary_rpc_method_handler(
+                    servicer.Splice,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.SpliceRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.OpPlan.SerializeToString,
+            ),
+            'CommitSplice': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitSplice,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.CommitSpliceRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.SessionInfo.SerializeToString,
+            ),
+            'AbortSplice': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortSplice,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.AbortSpliceRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.SessionInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +463,195 @@ class KVSidecar(object):
             '/sidecar.v1.KVSidecar/Ping',
             sidecar_dot_v1_dot_sidecar__pb2.PingRequest.SerializeToString,
             sidecar_dot_v1_dot_sidecar__pb2.PingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/OpenSession',
+            sidecar_dot_v1_dot_sidecar__pb2.OpenSessionRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/AppendSession',
+            sidecar_dot_v1_dot_sidecar__pb2.AppendSessionRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/GetSession',
+            sidecar_dot_v1_dot_sidecar__pb2.GetSessionRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/CloseSession',
+            sidecar_dot_v1_dot_sidecar__pb2.CloseSessionRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Splice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/Splice',
+            sidecar_dot_v1_dot_sidecar__pb2.SpliceRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.OpPlan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitSplice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/CommitSplice',
+            sidecar_dot_v1_dot_sidecar__pb2.CommitSpliceRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortSplice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/AbortSplice',
+            sidecar_dot_v1_dot_sidecar__pb2.AbortSpliceRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.SessionInfo.FromString,
             options,
             channel_credentials,
             insecure,
