@@ -30,6 +30,9 @@ from sidecar.registry.registry import RegistryConfig
 from sidecar.tiers import StoreConfig
 
 ENV_PREFIX = "KV_SIDECAR_"
+#: Variables under the prefix that are not settings: the config file, ./dev's venv, the model
+#: cache of clients.transformers.pretrained.
+NOT_SETTINGS = frozenset(ENV_PREFIX + k for k in ("CONFIG", "VENV", "MODEL_CACHE"))
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 
@@ -234,7 +237,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     for key, raw in env.items():
-        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "CONFIG":
+        if not key.startswith(ENV_PREFIX) or key in NOT_SETTINGS:
             continue
         dotted = key[len(ENV_PREFIX) :].lower().replace("__", ".")
         _set_dotted(tree, dotted, yaml.safe_load(raw))

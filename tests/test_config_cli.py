@@ -31,6 +31,8 @@ def test_precedence_defaults_file_env_flags(tmp_path):
     assert (c.port, c.metrics_port, c.registry.capacity_entries, c.registry.capacity_bytes) == (3333, 2222, 20, 5000)
     c = load_config(cfg_file, env=env, overrides={"port": 4444, "chunker.anchor_tokens": [9, 3]})
     assert (c.port, c.registry.capacity_entries, c.chunker.anchor_tokens) == (4444, 20, (3, 9))
+    # Variables under the prefix that are not settings are ignored.
+    assert load_config(env={"KV_SIDECAR_MODEL_CACHE": "/tmp/x", "KV_SIDECAR_VENV": "/tmp/v"}).port == 50051
     # The file may also come from the environment.
     assert load_config(env={"KV_SIDECAR_CONFIG": str(cfg_file)}).port == 1111
 
