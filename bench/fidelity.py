@@ -131,15 +131,15 @@ def checks(results: Sequence[dict]) -> list[tuple[str, bool]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    model = _model_arg(argv)
-    if model not in (None, "random"):
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", default="random")
+    if pre.parse_known_args(argv)[0].model != "random":
         from bench import quality  # a real model: the quality benchmark
 
         return quality.main(argv)
-    if model == "random":
-        i = argv.index("--model") if "--model" in argv else next(i for i, a in enumerate(argv) if a.startswith("--model="))
-        del argv[i : i + (2 if argv[i] == "--model" else 1)]
     p = argparse.ArgumentParser(prog="python -m bench.fidelity", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="random",
+                   help="random (this benchmark) or a real model, e.g. smollm2 (bench/quality.py)")
     p.add_argument("--quick", action="store_true", help="smoke run: agent_meta, edit_replay and append; 8 tokens")
     p.add_argument("--new-tokens", type=int, default=None, help="teacher-forced continuation length (default 32)")
     p.add_argument("--layers", type=int, default=4)
@@ -196,15 +196,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0 if doc["checks_passed"] else 1
-
-
-def _model_arg(argv: Sequence[str]) -> str | None:
-    for i, a in enumerate(argv):
-        if a == "--model" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--model="):
-            return a.split("=", 1)[1]
-    return None
 
 
 def sidecar_config(template):

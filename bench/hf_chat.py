@@ -74,6 +74,7 @@ class HFChatTemplate:
         self.hf = hf_tokenizer
         self.tokenizer = HFTokenizerView(hf_tokenizer)
         self.anchor_token_ids: tuple[int, ...] = anchor_token_ids(hf_tokenizer)
+        self._gen: tuple[np.ndarray, np.ndarray] | None = None
 
     def render(
         self,
@@ -93,17 +94,27 @@ class HFChatTemplate:
         text = self.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
         return self.tokenizer.encode(text)
 
+    def _generation_prompt(self) -> tuple[np.ndarray, np.ndarray]:
+        """(a one-message conversation without the generation prompt, the generation prompt's ids);
+        rendered once per template."""
+        if self._gen is None:
+            base = [{"role": "system", "content": "x"}]
+            closed = self.render(base, add_generation_prompt=False)
+            opened = self.render(base)
+            if not np.array_equal(opened[: len(closed)], closed):
+                raise ValueError("chat template: messages do not render as appended blocks")
+            self._gen = (closed, opened[len(closed):])
+        return self._gen
+
     def append_user(self, prompt: np.ndarray, text: str) -> np.ndarray:
         """``prompt`` (rendered with the generation prompt) with one more user message before a
         new generation prompt: the ids ``render(messages + [user text])`` would give, for
         templates that render a conversation as the concatenation of its message blocks
         (ChatML and its relatives). Raises ValueError for templates that do not."""
         base = [{"role": "system", "content": "x"}]
-        closed = self.render(base, add_generation_prompt=False)
-        opened = self.render(base)
+        closed, gen = self._generation_prompt()
         asked = self.render(base + [{"role": "user", "content": text}])
-        gen = opened[len(closed):]
-        if not (np.array_equal(opened[: len(closed)], closed) and np.array_equal(asked[: len(closed)], closed)):
+        if not np.array_equal(asked[: len(closed)], closed):
             raise ValueError("chat template: messages do not render as appended blocks")
         if len(gen) and not np.array_equal(prompt[len(prompt) - len(gen):], gen):
             raise ValueError("prompt: does not end with the generation prompt")

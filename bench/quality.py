@@ -88,8 +88,9 @@ class NoTools:
         return self.template.render(messages, None, add_generation_prompt=add_generation_prompt)
 
 
-def _ask(template, base: np.ndarray, n: int, offset: int) -> tuple[np.ndarray, ...]:
-    return tuple(template.append_user(base, QUESTIONS[(offset + i) % len(QUESTIONS)]) for i in range(n))
+def _ask(template, bases: Sequence[np.ndarray], offset: int) -> tuple[np.ndarray, ...]:
+    """One question prompt per base prompt, questions taken in turn from ``offset``."""
+    return tuple(template.append_user(b, QUESTIONS[(offset + i) % len(QUESTIONS)]) for i, b in enumerate(bases))
 
 
 def _moved_call(requests: Sequence[np.ndarray], max_tokens: int) -> int | None:
@@ -115,24 +116,23 @@ def build_scenarios(template, *, questions: int, seed: int = 0, max_tokens: int 
     for h in (50, 250, 1000):
         w = agent_meta(pool, tpl, header_tokens=h, n_requests=1 + questions, seed=seed)
         cuts = rng.integers(1, min(64, h // 2) + 1, size=questions)
-        targets = tuple(template.append_user(trim_header(r, h, int(c)), QUESTIONS[(q + i) % len(QUESTIONS)])
-                        for i, (r, c) in enumerate(zip(w.requests[1:], cuts)))
+        targets = _ask(template, [trim_header(r, h, int(c)) for r, c in zip(w.requests[1:], cuts)], q)
         out.append(Scenario(name=f"agent_meta H={h}", warm=w.requests[:1], targets=targets,
                             description=f"another agent's {h}-token header (minus 1..64 tokens), shared body shifted"))
         q += questions
     w = sysvar(pool, tpl, n_sessions=1, n_requests=3, seed=seed)
-    out.append(Scenario(name="sysvar", warm=w.requests[:2], targets=_ask(template, w.requests[2], questions, q),
+    out.append(Scenario(name="sysvar", warm=w.requests[:2], targets=_ask(template, [w.requests[2]] * questions, q),
                         description="next call of a session, new clock line in the system prompt"))
     q += questions
     for placement in ("message", "inline"):
         w = rerank(pool, tpl, placement=placement, n_topics=1, docs_per_topic=4, n_requests=8, seed=seed)
         base = next(r for r in w.requests[1:] if not np.array_equal(r, w.requests[0]))
         name = "rerank" if placement == "message" else "rerank_inline"
-        out.append(Scenario(name=name, warm=w.requests[:1], targets=_ask(template, base, questions, q),
+        out.append(Scenario(name=name, warm=w.requests[:1], targets=_ask(template, [base] * questions, q),
                             description=f"the same 4 documents reordered ({'one tool message each' if placement == 'message' else 'inline, no anchors between them'})"))
         q += questions
     w = edit_replay(pool, tpl, calls_per_pass=3, n_requests=6, seed=seed)
-    out.append(Scenario(name="edit_replay", warm=w.requests[:3], targets=_ask(template, w.requests[5], questions, q),
+    out.append(Scenario(name="edit_replay", warm=w.requests[:3], targets=_ask(template, [w.requests[5]] * questions, q),
                         description="third call replayed with an early user turn edited"))
     q += questions
     policy = TruncateOldToolOutputs()
@@ -141,7 +141,7 @@ def build_scenarios(template, *, questions: int, seed: int = 0, max_tokens: int 
             reqs = replay([traj], tpl, policy=policy)
             i = _moved_call(reqs, max_tokens)
             if i is not None:
-                out.append(Scenario(name=label, warm=(reqs[i - 1],), targets=_ask(template, reqs[i], questions, q),
+                out.append(Scenario(name=label, warm=(reqs[i - 1],), targets=_ask(template, [reqs[i]] * questions, q),
                                     description=f"{trace} call {i}: an old tool output just stubbed by the truncation policy"))
                 q += questions
                 break
@@ -173,7 +173,7 @@ def run_floor(model, model_bf16, tokenizer, sc: Scenario, *, new_tokens: int) ->
     serve) scored against the fp32 full-prefill reference, no cache anywhere. An approximate
     cache path that changes answers no more often than this is within serving noise."""
     from clients.transformers import CACHE_OFF, Engine
-    from clients.transformers.fidelity import answer_length, compare
+    from clients.transformers.fidelity import ArmResult, answer_length, compare
 
     ref_engine = Engine(model, tokenizer=tokenizer)
     bf16_engine = Engine(model_bf16, tokenizer=tokenizer)
@@ -183,12 +183,14 @@ def run_floor(model, model_bf16, tokenizer, sc: Scenario, *, new_tokens: int) ->
         scored = bf16_engine.score(target, ref.tokens, reuse=CACHE_OFF)
         m = compare(ref.logprobs, scored.logprobs, ref.tokens)
         n_answer = answer_length(ref.tokens, ref_engine.stop_token_ids)
-        out.append({"scenario": sc.name, "question": i, "prompt_tokens": int(len(target)), "arms": [{
-            "arm": "full_prefill_bf16", "mean_kl": float(m["kl"].mean()), "max_kl": float(m["kl"].max()),
-            "agreement": float(m["agree"].mean()), "first_divergence": m["first_divergence"],
-            "bit_identical": m["bit_identical"], "recovered_tokens": 0, "shifted_tokens": 0,
-            "prefill_tokens": int(len(target)), "prompt_tokens": int(len(target)), "answer_tokens": n_answer,
-            "answer_match": bool(m["agree"][:n_answer].all())}]})
+        row = ArmResult(
+            arm="full_prefill_bf16", mean_kl=float(m["kl"].mean()), max_kl=float(m["kl"].max()),
+            agreement=float(m["agree"].mean()), first_divergence=m["first_divergence"],
+            bit_identical=m["bit_identical"], recovered_tokens=0, shifted_tokens=0,
+            prefill_tokens=len(target), prompt_tokens=len(target), answer_tokens=n_answer,
+            answer_match=bool(m["agree"][:n_answer].all()),
+        )
+        out.append({"scenario": sc.name, "question": i, "prompt_tokens": int(len(target)), "arms": [row.as_dict()]})
     return out
 
 

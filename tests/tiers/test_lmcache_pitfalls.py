@@ -25,11 +25,6 @@ from sidecar.tiers.l2_tiers import L2Driver
 MiB = 1 << 20
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 _COMMIT_PROBE = """
 import os
 def rss():
