@@ -36,6 +36,14 @@ ids, token ids, coverage of every position, op order) before it touches the cach
 normal prompt (Lookup path). An error after mutation started (out of memory) leaves the cache
 unusable; ``SpliceSession`` then refuses further use until it is re-opened.
 
+With a sidecar (``SpliceSession(..., sidecar=client)``) the loop is the product's: the session
+is opened there (``OpenSession``, block size 1), every append is mirrored (``AppendSession``),
+``splice`` asks the sidecar for the plan (``Splice``), applies it and commits it
+(``CommitSplice``). A plan the engine cannot apply is aborted (``AbortSplice``) and the turn
+falls back to the Lookup path: the edited prompt (the plan's layout) is prefilled through the
+engine's reuse policy (own prefix cache, sidecar Lookup / Fetch) and the session is re-opened
+on the sidecar (``SpliceResult.fell_back``).
+
 Rotation chains: the engine holds only its working copy, so a slot rotated twice was rotated
 twice (``op.delta`` each time; ``op.cum_deltas`` serves holders of a canonical copy). The
 planner proposes REFRESH for slots past its rotation limit, which recomputes them instead.
@@ -50,7 +58,17 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from sidecar.directives import DEFAULT_REFRESH_AFTER, Directive, OpKind, OpPlan, SessionId, SessionMirror, plan_splice
+from sidecar.directives import (
+    DEFAULT_REFRESH_AFTER,
+    Directive,
+    OpKind,
+    OpPlan,
+    SessionId,
+    SessionMirror,
+    apply_edits,
+    plan_splice,
+    validate_directives,
+)
 from sidecar.rotation import rotate_keys
 
 from clients.transformers.attention import MIN_ROWS
@@ -86,6 +104,8 @@ class SpliceResult:
     prefilled: int  # PREFILL rows computed
     refreshed: int  # REFRESH rows recomputed
     timings: SpliceTimings = field(default_factory=SpliceTimings)
+    fell_back: str | None = None  # why the plan was aborted and the turn prefilled (Lookup path)
+    plan_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,8 +362,12 @@ class SpliceSession:
       session there with the same ``session_id`` and tokens, mirror every ``append`` with
       ``AppendSession``, and ``CommitSplice`` after ``apply`` returns; ``AbortSplice`` and a
       full prompt when it raises ``PlanNotApplicable``).
-    * ``splice(directives)``: plans in process with ``sidecar.directives.plan_splice``
-      (tests, single-process use).
+    * ``splice(directives)``: with ``sidecar`` (a ``SyncSidecarClient``), the whole loop over
+      gRPC: the session is opened there when this object is created, appends are mirrored,
+      and ``splice`` is Splice -> ``apply`` -> CommitSplice, or AbortSplice and a prefill of
+      the edited prompt through the engine (Lookup path) when the plan cannot be applied.
+      Without one it plans in process with ``sidecar.directives.plan_splice`` (tests,
+      single-process use).
 
     ``tokens`` are always the tokens whose KV is in the cache: after ``generate`` the last
     sampled token is not (pass it first in the next ``append``). Not thread-safe.
@@ -358,6 +382,7 @@ class SpliceSession:
         logits: torch.Tensor | None = None,
         session_id: str = "local",
         tenant: str = "",
+        sidecar: Any = None,
     ) -> None:
         tokens = _as_tokens(tokens)
         if cache.length != len(tokens):
@@ -365,6 +390,9 @@ class SpliceSession:
         self.engine = engine
         self.cache = cache
         self.logits = logits
+        self.sidecar = sidecar
+        if sidecar is not None:
+            session_id = sidecar.open_session(tokens, block_size=1).session_id
         self.mirror = SessionMirror.open(session_id=SessionId(session_id), tenant=tenant, block_size=1, tokens=tokens)
         self._broken: str | None = None
 
@@ -450,12 +478,52 @@ class SpliceSession:
         refresh_after: int | None = DEFAULT_REFRESH_AFTER,
         reserve: int = 0,
     ) -> SpliceResult:
-        """Plan ``directives`` in process (``plan_splice`` on this session's mirror) and apply
-        them. Invalid directives raise ``sidecar.errors.InvalidArgument`` (nothing changes)."""
+        """Edit the session: plan ``directives`` (on the sidecar when the session has one, else
+        in process with ``plan_splice``; ``refresh_after`` applies to the latter, the sidecar
+        uses its own setting) and apply them. Invalid directives raise
+        ``sidecar.errors.InvalidArgument`` and change nothing."""
         self._usable()
+        if self.sidecar is not None:
+            return self._splice_remote(directives, reserve)
         vocab = getattr(self.engine.config, "vocab_size", None)
         plan = plan_splice(self.mirror, directives, vocab_size=vocab, refresh_after=refresh_after)
         return self.apply(plan, reserve=reserve)
+
+    def _splice_remote(self, directives: Sequence[Directive], reserve: int) -> SpliceResult:
+        t0 = time.perf_counter()
+        plan = self.sidecar.splice(self.session_id, self.version, directives)
+        try:
+            res = self.apply(plan, reserve=reserve)
+        except PlanNotApplicable as e:
+            self.sidecar.abort_splice(plan.plan_id)
+            edited = apply_edits(self.tokens, validate_directives(directives, len(self)))
+            return self._fall_back(edited, plan.plan_id, str(e), reserve, t0)
+        self.sidecar.commit_splice(plan.plan_id)
+        res.plan_id = plan.plan_id
+        res.timings.total_s = time.perf_counter() - t0
+        return res
+
+    def _fall_back(self, tokens: np.ndarray, plan_id: str, why: str, reserve: int, t0: float) -> SpliceResult:
+        """The plan was aborted: prefill the edited prompt through the engine's reuse policy
+        (own prefix cache, sidecar Lookup) and re-open the session on the sidecar."""
+        res = self.engine.prefill(tokens, reserve=reserve)
+        reuse = self.engine.reuse
+        cache = clone_cache(self.engine, res.cache) if reuse.store and reuse.prefix_cache else res.cache
+        self.sidecar.close_session(self.session_id)
+        state = self.sidecar.open_session(tokens, block_size=1)
+        self.cache, self.logits = cache, res.logits
+        self.mirror = SessionMirror.open(session_id=state.session_id, tenant=self.mirror.tenant, block_size=1,
+                                         tokens=tokens)
+        timings = SpliceTimings(prefill_s=res.timings.prefill_s, total_s=time.perf_counter() - t0)
+        return SpliceResult(tokens=self.tokens, slots=self.slots, logits=res.logits, moved=0, rotated=0,
+                            prefilled=res.prefill_tokens, refreshed=0, timings=timings, fell_back=why,
+                            plan_id=plan_id)
+
+    def close(self) -> None:
+        """End the session on the sidecar (if it has one); the cache is the caller's to drop."""
+        if self.sidecar is not None:
+            self.sidecar.close_session(self.session_id)
+            self.sidecar = None
 
     # ------------------------------------------------------------------ growing
 
@@ -469,9 +537,14 @@ class SpliceSession:
         for a in range(0, len(ids), step):
             b = min(len(ids), a + step)
             out = self.engine._forward(self.cache, ids[a:b], n + a, want_logits=b == len(ids))
-        self.mirror.append(ids)
+        self._append_mirrors(ids)
         self.logits = out
         return out
+
+    def _append_mirrors(self, ids: np.ndarray) -> None:
+        self.mirror.append(ids)
+        if self.sidecar is not None:
+            self.sidecar.append_session(self.session_id, ids)
 
     def next_logits(self) -> torch.Tensor:
         """Next-token logits after the last token; recomputes the last token when the last
@@ -505,7 +578,7 @@ class SpliceSession:
             logits = self.engine._decode(self.cache, tok, pos)
             pos += 1
         if len(out) > 1:
-            self.mirror.append(np.asarray(out[:-1], dtype=np.uint32))
+            self._append_mirrors(np.asarray(out[:-1], dtype=np.uint32))
         self.logits = None
         return out
 

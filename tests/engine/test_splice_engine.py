@@ -3,8 +3,9 @@
 Checked on every layer against the engine's own caches: ``amortize`` keeps downstream V / the
 MLA latent bit for bit and rotates the rotary part once by the cumulative delta; ``forget``
 (and REFRESH) equal a full re-prefill of the edited prompt bit for bit; two directives in one
-turn equal the same edits one at a time up to one rounding of the tail keys. No sidecar server:
-plans come from the in-process planner (``SpliceSession.splice``).
+turn equal the same edits one at a time up to one rounding of the tail keys. Most plans come
+from the in-process planner; the last tests run the loop over gRPC against a real sidecar
+(Splice -> apply -> CommitSplice, and AbortSplice + Lookup fallback).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from clients.transformers import Engine, ReusePolicy
 from clients.transformers.splice import PlanNotApplicable, SpliceSession, clone_cache
 from sidecar.directives import Directive, Mode, OpKind, SessionId, SessionMirror, plan_splice
+from sidecar.errors import InvalidArgument, NotFound
 from sidecar.rotation import rotate_keys
 
 FULL = ReusePolicy(prefix_cache=False, sidecar=False, store=False)
@@ -207,3 +209,76 @@ def test_plans_the_engine_cannot_apply_change_nothing(engine, prompts):
     assert np.array_equal(sess.tokens, snapshot[0]) and sess.version == snapshot[1] == 1
     assert_cache_equal(sess.cache, snapshot[2])
     assert before.length == len(toks)
+
+
+# ------------------------------------------------------------------ the loop over gRPC
+
+
+def test_remote_splice_equals_in_process_and_commits(engine, prompts, client):
+    """Splice -> apply -> CommitSplice against a real sidecar gives the in-process result, and
+    the sidecar's mirror follows (version, length, appends)."""
+    toks = conversation(prompts)
+    local = SpliceSession.open(engine, toks)
+    remote = SpliceSession.open(engine, toks, sidecar=client)
+    try:
+        assert remote.session_id != "local" and client.get_session(remote.session_id).length == len(toks)
+        edits = [d(10, 40, [7, 8, 9]), d(120, 121, [])]
+        want, got = local.splice(edits), remote.splice(edits)
+        assert got.fell_back is None and got.plan_id
+        assert np.array_equal(got.tokens, want.tokens)
+        assert_cache_equal(remote.cache, local.cache)
+        state = client.get_session(remote.session_id)
+        assert (state.version, state.length, state.pending_plan_id) == (1, len(want.tokens), None)
+        extra = prompts.msg(12)
+        local.append(extra), remote.append(extra)
+        assert client.get_session(remote.session_id).length == len(want.tokens) + len(extra)
+        again = [d(0, 0, [5, 6])]
+        assert np.array_equal(remote.splice(again).tokens, local.splice(again).tokens)
+        assert_cache_equal(remote.cache, local.cache)
+        assert client.get_session(remote.session_id).version == 2
+    finally:
+        remote.close()
+    with pytest.raises(NotFound):
+        client.get_session(remote.session_id)
+
+
+def test_remote_plan_not_applicable_aborts_and_falls_back_to_lookup(engine, prompts, client):
+    """Mirrors out of step (tokens appended on the sidecar behind the engine's back): the plan
+    is refused before the cache is touched, aborted, and the turn is a full prompt of the
+    edited tokens on a re-opened session."""
+    toks = conversation(prompts)
+    sess = SpliceSession.open(engine, toks, sidecar=client)
+    old_id = sess.session_id
+    client.append_session(old_id, prompts.msg(5))
+    edits = [d(10, 40, [7, 8, 9])]
+    res = sess.splice(edits)
+    try:
+        assert res.fell_back and "mirrors out of step" in res.fell_back
+        with pytest.raises(NotFound):
+            client.get_session(old_id)  # aborted, then closed
+        edited = np.concatenate([toks[:10], np.array([7, 8, 9], dtype=np.uint32), toks[40:]])
+        assert np.array_equal(sess.tokens, edited) and res.prefilled == len(edited)
+        state = client.get_session(sess.session_id)
+        assert (state.version, state.length, state.pending_plan_id) == (0, len(edited), None)
+        full = engine.prefill(edited)
+        assert_cache_equal(sess.cache, full.cache)
+        assert torch.equal(res.logits, full.logits)
+        # the re-opened session splices normally
+        assert sess.splice([d(0, 1, [])]).fell_back is None
+    finally:
+        sess.close()
+
+
+def test_remote_invalid_directives_change_nothing(engine, prompts, client):
+    toks = conversation(prompts)
+    sess = SpliceSession.open(engine, toks, sidecar=client)
+    before = clone_cache(engine, sess.cache)
+    try:
+        with pytest.raises(InvalidArgument, match=r"directives\[1\]\.start"):
+            sess.splice([d(5, 20, [1]), d(10, 30, [2])])
+        assert sess.version == 0 and np.array_equal(sess.tokens, toks)
+        assert_cache_equal(sess.cache, before)
+        state = client.get_session(sess.session_id)
+        assert (state.version, state.length, state.pending_plan_id) == (0, len(toks), None)
+    finally:
+        sess.close()
