@@ -22,8 +22,15 @@ Span directives (docs/splice.md)::
         ...  # apply plan.ops in order to the engine's cache
         session = await client.commit_splice(plan.plan_id)   # or abort_splice(plan.plan_id)
 
+Held sessions (the sidecar holds the KV; docs/splice.md "Sessions the sidecar holds")::
+
+        await client.store(tokens, identity=ident, layout=layout, payloads=chunks)
+        session = await client.open_session(tokens, block_size=1, identity=ident, held=True)
+        ...  # Splice / apply / commit; Store the chunks that hold new tokens
+        runs = await client.fetch_session(session.session_id, layout=layout, rope=spec)
+
 None of the session calls is retried (none is idempotent: a retried Splice would meet its own
-pending plan).
+pending plan), except ``fetch_session`` (a read).
 """
 
 from __future__ import annotations
@@ -40,6 +47,17 @@ import numpy as np
 
 from sidecar.directives import Directive, OpPlan, PlanId, SessionId
 from sidecar.errors import SidecarError, error_for_status
+from sidecar.policy import (  # the Policy SDK: message-list rewrites -> directives
+    EditPolicy,
+    MessageDiff,
+    Policy,
+    Renderer,
+    TemplateNotIncremental,
+    TokenizerRenderer,
+    TruncateOldToolOutputs,
+    diff_directives,
+    edit_turn,
+)
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.registry.plan import AdmissionPolicy, LookupPlan
 from sidecar.tenancy import AUTH_HEADER, TENANT_HEADER
@@ -94,6 +112,28 @@ class FetchedKV:
     delta: int = 0
     rotated: bool = False
     tier: str = ""
+    data: bytearray = field(default_factory=bytearray)
+
+
+@dataclass(frozen=True, slots=True)
+class FetchedRun:
+    """One run of a held session's KV (``fetch_session``): positions ``[target_pos,
+    target_pos + num_tokens)`` of the session at ``version``, held as rows ``[chunk_offset,
+    chunk_offset + num_tokens)`` of the stored chunk ``chunk_hash``, computed at
+    ``source_pos ..``. ``data`` is the payload of those rows (``KVLayout`` order, ``num_tokens``
+    tokens); when ``rotated`` its rotary parts sit at ``target_pos ..`` (rotated once by
+    ``delta`` from the canonical copy), else at ``source_pos ..`` (raw: rotate by ``delta``)."""
+
+    index: int
+    target_pos: int
+    num_tokens: int
+    chunk_hash: int
+    chunk_offset: int
+    source_pos: int
+    delta: int
+    rotated: bool
+    tier: str
+    version: int
     data: bytearray = field(default_factory=bytearray)
 
 
@@ -170,12 +210,23 @@ def _fetch_request(
     return req
 
 
+def _fetch_session_request(
+    session_id: str, start: int, end: int | None, layout: KVLayout, rope: "RopeSpec | None", raw: bool
+) -> pb.FetchSessionRequest:
+    req = pb.FetchSessionRequest(session_id=session_id, start=start, end=end, layout=layout_to_wire(layout), raw=raw)
+    if rope is not None:
+        req.rope.CopyFrom(rope_to_wire(rope))
+    return req
+
+
 FETCH_METHOD = "/sidecar.v1.KVSidecar/Fetch"
+FETCH_SESSION_METHOD = "/sidecar.v1.KVSidecar/FetchSession"
 
 
 @dataclass(slots=True)
 class _FetchFrame:
-    """A FetchResponse decoded without copying ``data`` (a memoryview into the received frame)."""
+    """A FetchResponse or FetchSessionResponse (same field numbers where they share a meaning)
+    decoded without copying ``data`` (a memoryview into the received frame)."""
 
     index: int = 0
     status: int = 0
@@ -186,6 +237,10 @@ class _FetchFrame:
     tier: str = ""
     data: memoryview = memoryview(b"")
     last: bool = False
+    target_pos: int = 0  # FetchSessionResponse only (fields 10..13)
+    chunk_hash: int = 0
+    chunk_offset: int = 0
+    version: int = 0
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -200,8 +255,9 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
 
 
 def parse_fetch_frame(frame: bytes) -> _FetchFrame:
-    """Decode a FetchResponse (standard protobuf wire format, any field order) with its payload
-    left in place: multi-MiB parts are not copied by a protobuf parse and a field access."""
+    """Decode a FetchResponse or FetchSessionResponse (standard protobuf wire format, any field
+    order) with its payload left in place: multi-MiB parts are not copied by a protobuf parse
+    and a field access."""
     buf = memoryview(frame)
     out = _FetchFrame()
     pos, n = 0, len(buf)
@@ -224,6 +280,12 @@ def parse_fetch_frame(frame: bytes) -> _FetchFrame:
                 out.rotated = bool(value)
             elif field == 9:
                 out.last = bool(value)
+            elif field == 10:
+                out.target_pos = value
+            elif field == 12:
+                out.chunk_offset = value
+            elif field == 13:
+                out.version = value
         elif wire == 2:
             size, pos = _read_varint(buf, pos)
             if field == 7:
@@ -232,6 +294,8 @@ def parse_fetch_frame(frame: bytes) -> _FetchFrame:
                 out.data = buf[pos : pos + size]
             pos += size
         elif wire == 1:
+            if field == 11:
+                out.chunk_hash = int.from_bytes(buf[pos : pos + 8], "little")
             pos += 8
         elif wire == 5:
             pos += 4
@@ -241,12 +305,13 @@ def parse_fetch_frame(frame: bytes) -> _FetchFrame:
 
 
 class _FetchAssembler:
-    """Joins a Fetch response stream into ``FetchedKV`` results, in item order; each payload is
-    copied once, into a writable buffer the caller owns."""
+    """Joins a Fetch response stream into ``FetchedKV`` results, in item order (or, without
+    ``items``, a FetchSession stream into ``FetchedRun`` results, in position order); each
+    payload is copied once, into a writable buffer the caller owns."""
 
-    def __init__(self, items: Sequence[tuple[int, int]]) -> None:
+    def __init__(self, items: Sequence[tuple[int, int]] | None = None) -> None:
         self.items = items
-        self.out: list[FetchedKV] = []
+        self.out: list[Any] = []
         self._first: _FetchFrame | None = None
         self._parts: list[memoryview] = []
 
@@ -261,13 +326,22 @@ class _FetchAssembler:
             for p in self._parts:
                 data[off : off + len(p)] = p
                 off += len(p)
-            self.out.append(
-                FetchedKV(
-                    index=f.index, chunk_hash=self.items[f.index][0], ok=f.status == pb.CHUNK_STATUS_OK,
-                    num_tokens=f.num_tokens, source_pos=f.source_pos, delta=f.delta, rotated=f.rotated, tier=f.tier,
-                    data=data,
+            if self.items is None:
+                self.out.append(
+                    FetchedRun(
+                        index=f.index, target_pos=f.target_pos, num_tokens=f.num_tokens, chunk_hash=f.chunk_hash,
+                        chunk_offset=f.chunk_offset, source_pos=f.source_pos, delta=f.delta, rotated=f.rotated,
+                        tier=f.tier, version=f.version, data=data,
+                    )
                 )
-            )
+            else:
+                self.out.append(
+                    FetchedKV(
+                        index=f.index, chunk_hash=self.items[f.index][0], ok=f.status == pb.CHUNK_STATUS_OK,
+                        num_tokens=f.num_tokens, source_pos=f.source_pos, delta=f.delta, rotated=f.rotated,
+                        tier=f.tier, data=data,
+                    )
+                )
             self._first = None
             self._parts = []
 
@@ -309,8 +383,10 @@ def _store_result(resp: pb.StoreResponse) -> StoreResult:
     )
 
 
-def _open_session_request(tokens: Tokens, block_size: int, identity: CacheIdentity | None) -> pb.OpenSessionRequest:
-    req = pb.OpenSessionRequest(tokens=tokens_to_wire(tokens), block_size=block_size)
+def _open_session_request(
+    tokens: Tokens, block_size: int, identity: CacheIdentity | None, held: bool = False
+) -> pb.OpenSessionRequest:
+    req = pb.OpenSessionRequest(tokens=tokens_to_wire(tokens), block_size=block_size, held=held)
     if identity is not None:
         req.identity.CopyFrom(identity_to_wire(identity))
     return req
@@ -354,6 +430,10 @@ class _ClientBase:
         self._stub = pb_grpc.KVSidecarStub(self._channel)
         self._fetch = self._channel.unary_stream(
             FETCH_METHOD, request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=parse_fetch_frame
+        )
+        self._fetch_session = self._channel.unary_stream(
+            FETCH_SESSION_METHOD, request_serializer=pb.FetchSessionRequest.SerializeToString,
+            response_deserializer=parse_fetch_frame,
         )
         self._metadata = _headers(tenant, token)
         self._timeout = timeout_s
@@ -483,12 +563,14 @@ class SidecarClient(_ClientBase):
         return await self._call(lambda: rpc(req, metadata=self._metadata, timeout=self._timeout), idempotent=False)
 
     async def open_session(
-        self, tokens: Tokens = (), *, block_size: int, identity: CacheIdentity | None = None
+        self, tokens: Tokens = (), *, block_size: int, identity: CacheIdentity | None = None, held: bool = False
     ) -> SessionState:
         """Mirror an engine session holding ``tokens`` at positions ``0..n-1`` in a pool of
         ``block_size``-token blocks (1 for token pools). Returns version 0 and the block table
-        (the session's block ids, which the engine binds to its own blocks)."""
-        req = _open_session_request(tokens, block_size, identity)
+        (the session's block ids, which the engine binds to its own blocks). ``held``: the
+        sidecar also holds the session's KV (chunks Stored under ``identity``, required then)
+        and serves it with ``fetch_session``."""
+        req = _open_session_request(tokens, block_size, identity, held)
         return session_from_wire(await self._session_call("OpenSession", req))
 
     async def append_session(self, session_id: str, tokens: Tokens) -> SessionState:
@@ -519,6 +601,31 @@ class SidecarClient(_ClientBase):
     async def abort_splice(self, plan_id: str) -> SessionState:
         """Drop the pending plan; returns the session as it was before the Splice."""
         return session_from_wire(await self._session_call("AbortSplice", pb.AbortSpliceRequest(plan_id=plan_id)))
+
+    async def fetch_session(
+        self,
+        session_id: str,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        layout: KVLayout,
+        rope: "RopeSpec | None" = None,
+        raw: bool = False,
+    ) -> list[FetchedRun]:
+        """The KV of positions ``[start, end)`` (``end`` None: the whole session) of a held
+        session's committed layout, as ``FetchedRun``s tiling the range in position order:
+        each row comes from its canonical stored copy, rotated once to its position (with
+        ``raw``, left at its source position). FailedPrecondition when positions in the range
+        have no stored KV (Store them first). Idempotent (retried when transient)."""
+        req = _fetch_session_request(session_id, start, end, layout, rope, raw)
+
+        async def run() -> list[FetchedRun]:
+            asm = _FetchAssembler()
+            async for msg in self._fetch_session(req, metadata=self._metadata, timeout=self._timeout):
+                asm.feed(msg)
+            return asm.out
+
+        return await self._call(run)
 
 
 class SyncSidecarClient(_ClientBase):
@@ -608,9 +715,10 @@ class SyncSidecarClient(_ClientBase):
         return self._call(lambda: rpc(req, metadata=self._metadata, timeout=self._timeout), idempotent=False)
 
     def open_session(
-        self, tokens: Tokens = (), *, block_size: int, identity: CacheIdentity | None = None
+        self, tokens: Tokens = (), *, block_size: int, identity: CacheIdentity | None = None, held: bool = False
     ) -> SessionState:
-        return session_from_wire(self._session_call("OpenSession", _open_session_request(tokens, block_size, identity)))
+        req = _open_session_request(tokens, block_size, identity, held)
+        return session_from_wire(self._session_call("OpenSession", req))
 
     def append_session(self, session_id: str, tokens: Tokens) -> SessionState:
         req = pb.AppendSessionRequest(session_id=session_id, tokens=tokens_to_wire(tokens))
@@ -631,6 +739,26 @@ class SyncSidecarClient(_ClientBase):
     def abort_splice(self, plan_id: str) -> SessionState:
         return session_from_wire(self._session_call("AbortSplice", pb.AbortSpliceRequest(plan_id=plan_id)))
 
+    def fetch_session(
+        self,
+        session_id: str,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        layout: KVLayout,
+        rope: "RopeSpec | None" = None,
+        raw: bool = False,
+    ) -> list[FetchedRun]:
+        req = _fetch_session_request(session_id, start, end, layout, rope, raw)
+
+        def run() -> list[FetchedRun]:
+            asm = _FetchAssembler()
+            for msg in self._fetch_session(req, metadata=self._metadata, timeout=self._timeout):
+                asm.feed(msg)
+            return asm.out
+
+        return self._call(run)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -643,9 +771,14 @@ class SyncSidecarClient(_ClientBase):
 
 __all__ = [
     "Directive",
+    "EditPolicy",
     "FetchedKV",
+    "FetchedRun",
+    "MessageDiff",
     "OpPlan",
     "PlanId",
+    "Policy",
+    "Renderer",
     "RetryPolicy",
     "SessionId",
     "SessionState",
@@ -653,4 +786,9 @@ __all__ = [
     "SidecarError",
     "StoreResult",
     "SyncSidecarClient",
+    "TemplateNotIncremental",
+    "TokenizerRenderer",
+    "TruncateOldToolOutputs",
+    "diff_directives",
+    "edit_turn",
 ]

@@ -6,6 +6,11 @@ Splice through ``SpliceService``), converts the result back and counts it.
 Exceptions map to gRPC statuses in one place (``sidecar.errors.status_for``); a request that
 fails validation changes nothing.
 
+Held sessions (docs/splice.md, "Sessions the sidecar holds"): OpenSession with ``held`` makes
+the session table track each token's canonical stored copy (resolved by the data plane);
+FetchSession streams a range of the session's current layout from those copies, each row
+rotated once from its canonical source position, framed like Fetch.
+
 Also served: gRPC health checking (``grpc.health.v1.Health``; NOT_SERVING during shutdown) and
 server reflection (grpcurl works without the proto), plus Prometheus on ``metrics_port``. A
 background task expires idle sessions and pending Splice plans (``directives.sweep_interval_s``).
@@ -68,18 +73,21 @@ _CLOSED = pb.CloseSessionResponse()
 _METHODS = (
     "Lookup", "Store", "Fetch", "Evict", "Delete", "Stats", "Ping",
     "OpenSession", "AppendSession", "GetSession", "CloseSession", "Splice", "CommitSplice", "AbortSplice",
+    "FetchSession",
 )
+#: Streaming methods whose responses are pre-serialized frames (``fetch_frames``).
+_FRAMED = frozenset(("Fetch", "FetchSession"))
 
 
-def _serialize_fetch(msg: pb.FetchResponse | bytes) -> bytes:
-    """Fetch responses may arrive pre-serialized (payload parts, see ``fetch_frames``)."""
+def _serialize_fetch(msg: pb.FetchResponse | pb.FetchSessionResponse | bytes) -> bytes:
+    """Fetch / FetchSession responses may arrive pre-serialized (payload parts, see ``fetch_frames``)."""
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
 def _add_servicer(servicer: pb_grpc.KVSidecarServicer, server: grpc.aio.Server) -> None:
-    """Register every method of the service (as the generated code does), except that Fetch's
-    serializer accepts pre-encoded frames so multi-MiB payload parts are copied once, not three
-    times (bytes slice -> message -> wire)."""
+    """Register every method of the service (as the generated code does), except that the
+    serializers of Fetch and FetchSession accept pre-encoded frames so multi-MiB payload parts
+    are copied once, not three times (bytes slice -> message -> wire)."""
     desc = pb.DESCRIPTOR.services_by_name["KVSidecar"]
     kinds = {
         (False, False): grpc.unary_unary_rpc_method_handler,
@@ -94,12 +102,12 @@ def _add_servicer(servicer: pb_grpc.KVSidecarServicer, server: grpc.aio.Server) 
         handlers[m.name] = kinds[(m.client_streaming, m.server_streaming)](
             getattr(servicer, m.name),
             request_deserializer=request_cls.FromString,
-            response_serializer=_serialize_fetch if m.name == "Fetch" else response_cls.SerializeToString,
+            response_serializer=_serialize_fetch if m.name in _FRAMED else response_cls.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
 
 
-_DATA_TAG = bytes([(8 << 3) | 2])  # FetchResponse.data: field 8, length-delimited
+_DATA_TAG = bytes([(8 << 3) | 2])  # FetchResponse.data / FetchSessionResponse.data: field 8, length-delimited
 
 
 def _varint(n: int) -> bytes:
@@ -114,16 +122,19 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def fetch_frames(meta: pb.FetchResponse, payload: memoryview, part_bytes: int) -> Iterator[bytes]:
-    """Wire frames of one chunk: ``meta`` (without data) on the first part, ``index`` and
-    ``last`` on every part. Each frame is the protobuf encoding of a FetchResponse (fields may
-    appear in any order), built with one copy of the payload bytes."""
+def fetch_frames(
+    meta: pb.FetchResponse | pb.FetchSessionResponse, payload: memoryview, part_bytes: int
+) -> Iterator[bytes]:
+    """Wire frames of one chunk (or FetchSession run): ``meta`` (without data) on the first
+    part, ``index`` and ``last`` on every part. Each frame is the protobuf encoding of a message
+    of ``meta``'s type (fields may appear in any order), built with one copy of the payload."""
     n = len(payload)
     off = 0
     first = True
+    cls = type(meta)
     while True:
         end = min(n, off + part_bytes)
-        head = meta if first else pb.FetchResponse(index=meta.index)
+        head = meta if first else cls(index=meta.index)
         head.last = end >= n
         yield b"".join((head.SerializeToString(), _DATA_TAG, _varint(end - off), payload[off:end]))
         first = False
@@ -435,10 +446,20 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
     @_rpc("OpenSession")
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
         tenant = self.tenancy.resolve(context.invocation_metadata())
+        identity = None
         if request.HasField("identity"):
-            self.identities.get(request.identity, True)  # validated only (docs/splice.md)
+            identity = self.identities.get(request.identity, True)  # validated; used by held sessions only
+        if request.held:
+            if identity is None:
+                raise InvalidArgument("identity: required for a held session (the identity its KV is Stored under)")
+            if not identity.kv_layout:
+                raise InvalidArgument(
+                    "identity.kv_layout: required for a held session (its KV is served by FetchSession)"
+                )
+        elif identity is not None:
+            identity = None  # not held: planning does not use it
         tokens = session_tokens_from_wire(request.tokens)
-        return session_to_wire(self.sessions.open(tenant, tokens, request.block_size))
+        return session_to_wire(self.sessions.open(tenant, tokens, request.block_size, identity))
 
     @_rpc("AppendSession")
     async def AppendSession(self, request: pb.AppendSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
@@ -489,6 +510,38 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
         tenant = self.tenancy.resolve(context.invocation_metadata())
         return session_to_wire(self.sessions.abort(tenant, plan_id_from_wire(request.plan_id)))
 
+    async def FetchSession(
+        self, request: pb.FetchSessionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.FetchSessionResponse]:
+        try:
+            tenant = self.tenancy.resolve(context.invocation_metadata())
+            sid = session_id_from_wire(request.session_id)
+            if not request.HasField("layout"):
+                raise InvalidArgument("layout: required")
+            layout = layout_from_wire(request.layout)
+            rope = rope_from_wire(request.rope) if request.HasField("rope") else None
+            end = request.end if request.HasField("end") else None
+            span = self.sessions.held_span(tenant, sid, request.start, end, max_tokens=self.config.max_prompt_tokens)
+            runs = await self.dataplane.fetch_session(span, layout, rope, request.raw)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every error leaves through _abort
+            await self._abort("FetchSession", exc, context)
+        part = self.config.fetch_part_bytes
+        nbytes = 0
+        for r in runs:
+            mv = memoryview(r.payload.numpy())
+            nbytes += len(mv)
+            meta = pb.FetchSessionResponse(
+                index=r.index, num_tokens=r.num_tokens, source_pos=r.source_pos, delta=r.delta, rotated=r.rotated,
+                tier=r.tier, target_pos=r.target_pos, chunk_hash=r.chunk_hash, chunk_offset=r.chunk_offset,
+                version=span.version,
+            )
+            for frame in fetch_frames(meta, mv, part):
+                yield frame
+        self.metrics.fetch_bytes.inc(nbytes)
+        self._ok["FetchSession"].inc()
+
 
 class SidecarServer:
     """A started sidecar: gRPC server, health, metrics endpoint. Stop with ``await stop()``.
@@ -504,7 +557,9 @@ class SidecarServer:
         self.dataplane = DataPlane(self.index, config.store)
         self.metrics.watch_registry(self.index.registry)
         self.metrics.watch_dataplane(self.dataplane)
-        self.sessions = SpliceService(config.directives, self.metrics, table=session_table)
+        self.sessions = SpliceService(
+            config.directives, self.metrics, table=session_table, resolver=self.dataplane.resolve_held
+        )
         self.metrics.watch_sessions(self.sessions.table)
         self.servicer = KVSidecarServicer(config, self.index, self.dataplane, self.metrics, self.sessions)
         opts = [

@@ -11,6 +11,9 @@ ended, so it keeps a small record per pending plan (mode, tenant, session, deadl
 ``refused`` also counts a CommitSplice that failed on an invariant (the plan is dropped).
 Like the table, every method is synchronous and runs on the server's event loop, so each call
 is atomic with respect to the others; ``run_sweeper`` is the periodic expiry task.
+
+Held sessions: ``resolver`` (the data plane's ``resolve_held``) is handed to the table, which
+uses it to find each token's canonical stored copy; ``held_span`` is what FetchSession serves.
 """
 
 from __future__ import annotations
@@ -24,15 +27,18 @@ from sidecar.config import DirectivesConfig
 from sidecar.directives import (
     Directive,
     ExpiryReport,
+    HeldSpan,
     Mode,
     OpPlan,
     PlanId,
     PlanSummary,
+    Resolver,
     SessionId,
     SessionInfo,
     SessionTable,
 )
 from sidecar.errors import InvariantViolation, NotFound
+from sidecar.identity import CacheIdentity
 from sidecar.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -66,12 +72,22 @@ class SpliceService:
     """Sessions and Splice transactions of one sidecar (see the module docstring).
 
     ``table`` may be given (tests inject one); by default it is built from ``config``. Time is
-    the table's clock. Errors are the table's (``sidecar.errors``), unchanged.
+    the table's clock. ``resolver`` finds held sessions' stored copies (installed on the table).
+    Errors are the table's (``sidecar.errors``), unchanged.
     """
 
-    def __init__(self, config: DirectivesConfig, metrics: Metrics, *, table: SessionTable | None = None) -> None:
+    def __init__(
+        self,
+        config: DirectivesConfig,
+        metrics: Metrics,
+        *,
+        table: SessionTable | None = None,
+        resolver: Resolver | None = None,
+    ) -> None:
         self.config = config
         self.table = table if table is not None else SessionTable(config=config.session_config())
+        if resolver is not None:
+            self.table.resolver = resolver
         self._clock = self.table.clock
         self._forget = frozenset(config.forget_tenants)
         self._metrics = metrics
@@ -85,8 +101,11 @@ class SpliceService:
 
     # ------------------------------------------------------------------------------ sessions
 
-    def open(self, tenant: str, tokens: object, block_size: int) -> SessionInfo:
-        return self.table.open(tenant, tokens, block_size=block_size)
+    def open(
+        self, tenant: str, tokens: object, block_size: int, identity: CacheIdentity | None = None
+    ) -> SessionInfo:
+        """Open a session; with ``identity`` a held one (its stored copies resolved now)."""
+        return self.table.open(tenant, tokens, block_size=block_size, identity=identity)
 
     def append(self, tenant: str, session_id: SessionId, tokens: object) -> SessionInfo:
         return self.table.append(session_id, tenant, tokens)
@@ -103,6 +122,13 @@ class SpliceService:
         self.table.close(session_id, tenant)
         if plan is not None:
             self._finish(plan.plan_id, "aborted")
+
+    def held_span(
+        self, tenant: str, session_id: SessionId, start: int, end: int | None, *, max_tokens: int | None = None
+    ) -> HeldSpan:
+        """What FetchSession serves for ``[start, end)`` of a held session (see
+        ``SessionTable.held_span``)."""
+        return self.table.held_span(session_id, tenant, start, end, max_tokens=max_tokens)
 
     # -------------------------------------------------------------------------------- splice
 

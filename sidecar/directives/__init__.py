@@ -15,7 +15,11 @@ Public API:
   ``Op``, ``OpKind`` (FREE, ALLOCATE, PREFILL, ROTATE, MOVE, REFRESH).
 * ``check_plan(session, plan)``: the invariants; raises ``InvariantViolation``.
 * ``SessionTable`` / ``SessionConfig`` / ``ExpiryReport``: open, get, append, close, splice,
-  commit, abort, expire; per-tenant limits; pending-plan and idle expiry.
+  commit, abort, expire; per-tenant limits; pending-plan and idle expiry; ``held_span`` for
+  held sessions.
+* Held sessions (``held.py``): ``HeldKV`` (per-token canonical-copy references, permuted by
+  every commit), ``HeldRuns`` / ``HeldSpan`` (what FetchSession serves), ``kept_sources``,
+  the ``Resolver`` the data plane provides.
 * ``ToyPool`` / ``apply_plan``: an independent slot-by-slot pool simulator (tests, reference).
 
 Domain errors come from ``sidecar.errors`` (InvalidArgument, FailedPrecondition, NotFound,
@@ -24,6 +28,7 @@ ResourceExhausted, InvariantViolation); the server maps them to statuses.
 
 from sidecar.directives.allocator import BlockAllocator
 from sidecar.directives.directive import Directive, Edit, Mode, apply_edits, validate_directives
+from sidecar.directives.held import HeldKV, HeldRuns, HeldSpan, Resolver, kept_sources
 from sidecar.directives.invariants import check_plan
 from sidecar.directives.layout import Layout
 from sidecar.directives.mirror import SessionInfo, SessionMirror
@@ -38,6 +43,9 @@ __all__ = [
     "Directive",
     "Edit",
     "ExpiryReport",
+    "HeldKV",
+    "HeldRuns",
+    "HeldSpan",
     "Layout",
     "Mode",
     "Op",
@@ -45,6 +53,7 @@ __all__ = [
     "OpPlan",
     "PlanId",
     "PlanSummary",
+    "Resolver",
     "SessionConfig",
     "SessionId",
     "SessionInfo",
@@ -54,6 +63,7 @@ __all__ = [
     "apply_edits",
     "apply_plan",
     "check_plan",
+    "kept_sources",
     "plan_splice",
     "validate_directives",
 ]

@@ -18,6 +18,13 @@ id answers NOT_FOUND with the same message as a missing one, so ids cannot be pr
 are ``uuid4`` hex (unguessable). Time comes from the injected ``clock`` (seconds, monotonic);
 nothing runs in the background: ``expire()`` sweeps, and every call also enforces the
 deadlines of what it touches.
+
+Held sessions (opened with an identity): the table also keeps a ``HeldKV`` per session, the
+canonical-copy reference of every token (``held.py``), permuted on every commit and extended
+on every append. The injected ``resolver`` fills references from the stored chunks: when the
+session opens, before each commit (so kept tokens keep the copies stored at their original
+positions, never the engine's rotated ones), and for unbacked tokens when ``held_span`` is
+asked for them. Without a resolver, held sessions simply stay unbacked.
 """
 
 from __future__ import annotations
@@ -26,13 +33,17 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from sidecar.directives.directive import Directive, validate_tokens
+from sidecar.directives.held import HeldKV, HeldSpan, Resolver
 from sidecar.directives.mirror import SessionInfo, SessionMirror, validate_block_size
 from sidecar.directives.plan import OpPlan, PlanId, SessionId
 from sidecar.directives.planner import DEFAULT_REFRESH_AFTER, plan_splice
 from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+
+if TYPE_CHECKING:
+    from sidecar.identity import CacheIdentity
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,6 +84,8 @@ class _Entry:
     mirror: SessionMirror
     last_used: float
     pending: PlanId | None = None
+    identity: "CacheIdentity | None" = None  # held sessions only
+    held: HeldKV | None = None  # parallel to mirror.layout (held sessions only)
 
 
 @dataclass(slots=True)
@@ -88,6 +101,7 @@ class SessionTable:
 
     config: SessionConfig = field(default_factory=SessionConfig)
     clock: Callable[[], float] = time.monotonic
+    resolver: Resolver | None = None
     _sessions: dict[SessionId, _Entry] = field(default_factory=dict, init=False)
     _plans: dict[PlanId, _Pending] = field(default_factory=dict, init=False)
     _per_tenant: Counter = field(default_factory=Counter, init=False)
@@ -100,11 +114,15 @@ class SessionTable:
     def sessions_of(self, tenant: str) -> int:
         return self._per_tenant[tenant]
 
-    def open(self, tenant: str, tokens: object, *, block_size: int) -> SessionInfo:
+    def open(
+        self, tenant: str, tokens: object, *, block_size: int, identity: "CacheIdentity | None" = None
+    ) -> SessionInfo:
         """Mirror a new engine session holding ``tokens`` at positions ``0..n-1``.
 
-        Raises ``InvalidArgument`` (bad tokens or block size), ``ResourceExhausted`` (the
-        tenant's session limit, or too many tokens). Nothing is created on error.
+        With ``identity`` the session is *held*: its tokens' canonical stored copies (chunks
+        Stored under ``identity``) are tracked and served by ``held_span``. Raises
+        ``InvalidArgument`` (bad tokens or block size), ``ResourceExhausted`` (the tenant's
+        session limit, or too many tokens). Nothing is created on error.
         """
         cfg = self.config
         if not isinstance(tenant, str) or not tenant:
@@ -121,7 +139,11 @@ class SessionTable:
         self._check_length(SessionId("(new)"), len(new), "open")
         sid = SessionId(uuid.uuid4().hex)
         mirror = SessionMirror.open(session_id=sid, tenant=tenant, block_size=block_size, tokens=new)
-        self._sessions[sid] = _Entry(mirror, self.clock())
+        entry = _Entry(mirror, self.clock())
+        if identity is not None:
+            entry.identity = identity
+            entry.held = self._resolve(entry, HeldKV.unbacked(len(new)), 0, len(new))
+        self._sessions[sid] = entry
         self._per_tenant[tenant] += 1
         return mirror.info()
 
@@ -138,6 +160,8 @@ class SessionTable:
         new = validate_tokens(tokens, "tokens", vocab_size=self.config.vocab_size)
         self._check_length(session_id, len(mirror) + len(new), "append")
         mirror.append(new)
+        if entry.held is not None:
+            entry.held = entry.held.extended(len(new))
         return mirror.info()
 
     def close(self, session_id: SessionId, tenant: str) -> None:
@@ -195,12 +219,82 @@ class SessionTable:
         """
         pending = self._take_plan(plan_id, tenant)
         entry = self._sessions[pending.plan.session_id]
+        held = entry.held
+        if held is not None:
+            if held.gap(0, len(held)) is not None:
+                # Kept tokens must carry the copies stored at their pre-edit positions (never
+                # the engine's rotated ones): resolve what is still unbacked against the old
+                # layout before the references move.
+                held = self._resolve(entry, held, 0, len(held))
+            held = held.after(pending.plan)
         entry.mirror.commit(pending.plan)
+        entry.held = held
         return entry.mirror.info()
 
     def abort(self, plan_id: PlanId, tenant: str) -> None:
         """Drop the pending plan; the session stays exactly as it was before Splice."""
         self._take_plan(plan_id, tenant)
+
+    # ----------------------------------------------------------------------------- held
+
+    def held_span(
+        self, session_id: SessionId, tenant: str, start: int, end: int | None, *, max_tokens: int | None = None
+    ) -> HeldSpan:
+        """The canonical copies of positions ``[start, end)`` (``end`` None: the session's
+        length) of a held session's committed layout; a pending plan is not applied yet.
+
+        Unbacked positions in the range are resolved first (the engine may have Stored them
+        since). Errors (the session is unchanged on every one): ``NotFound``;
+        ``FailedPrecondition`` for a session that is not held, or positions still unbacked
+        (names the first one and how many: Store them first); ``InvalidArgument`` for a range
+        out of bounds or longer than ``max_tokens``. Idempotent.
+        """
+        entry = self._entry(session_id, tenant)
+        self._refuse_if_pending(entry, None)  # expire an overdue plan; a live one is fine
+        if entry.held is None:
+            raise FailedPrecondition(
+                f"session {session_id} is not held by the sidecar: open it with held=true and the identity its "
+                "KV is Stored under to fetch its KV"
+            )
+        n = len(entry.mirror)
+        for name, v in (("start", start), ("end", end)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise InvalidArgument(f"{name}: must be an integer, got {type(v).__name__}")
+        if end is None:
+            end = n
+        if start > n:
+            raise InvalidArgument(f"start: {start} exceeds the session length {n}")
+        if end > n:
+            raise InvalidArgument(f"end: {end} exceeds the session length {n}")
+        if end < start:
+            raise InvalidArgument(f"end: {end} is before start {start}")
+        if max_tokens is not None and end - start > max_tokens:
+            raise InvalidArgument(
+                f"end: the range [{start}, {end}) holds {end - start} tokens, more than {max_tokens} per call; "
+                "fetch it in pieces"
+            )
+        entry.held = held = self._resolve(entry, entry.held, start, end)
+        gap = held.gap(start, end)
+        if gap is not None:
+            first, count = gap
+            exact = held.unbacked_exact(start, end)
+            hint = (
+                f" ({exact} of them were re-prefilled by a forget directive: only a copy computed from the edited "
+                "text backs them, so Delete older stored copies of the same content)" if exact else ""
+            )
+            raise FailedPrecondition(
+                f"session {session_id}: {count} of the {end - start} positions in [{start}, {end}) have no stored "
+                f"KV, the first is position {first}; Store the session's tokens with their KV first{hint}"
+            )
+        mirror = entry.mirror
+        return HeldSpan(
+            session_id=session_id, tenant=tenant, version=mirror.version, identity=entry.identity, start=start,
+            end=end, runs=held.runs(start, end),
+        )
+
+    def held(self, session_id: SessionId, tenant: str) -> HeldKV | None:
+        """The session's references as they stand (None: not a held session). No resolution."""
+        return self._entry(session_id, tenant).held
 
     # ----------------------------------------------------------------------------- expiry
 
@@ -228,6 +322,11 @@ class SessionTable:
             raise NotFound(f"session {session_id!s} not found (unknown, closed or expired)")
         entry.last_used = now
         return entry
+
+    def _resolve(self, entry: _Entry, held: HeldKV, start: int, end: int) -> HeldKV:
+        if self.resolver is None or start >= end:
+            return held
+        return self.resolver(entry.mirror.tenant, entry.identity, entry.mirror.layout.tokens, held, start, end)
 
     def _refuse_if_pending(self, entry: _Entry, action: str | None) -> None:
         pid = entry.pending

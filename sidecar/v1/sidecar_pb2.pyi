@@ -384,14 +384,16 @@ class SessionInfo(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., version: _Optional[int] = ..., length: _Optional[int] = ..., block_size: _Optional[int] = ..., live_blocks: _Optional[int] = ..., block_table: _Optional[bytes] = ..., pending_plan_id: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("tokens", "block_size", "identity")
+    __slots__ = ("tokens", "block_size", "identity", "held")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     tokens: bytes
     block_size: int
     identity: CacheIdentity
-    def __init__(self, tokens: _Optional[bytes] = ..., block_size: _Optional[int] = ..., identity: _Optional[_Union[CacheIdentity, _Mapping]] = ...) -> None: ...
+    held: bool
+    def __init__(self, tokens: _Optional[bytes] = ..., block_size: _Optional[int] = ..., identity: _Optional[_Union[CacheIdentity, _Mapping]] = ..., held: bool = ...) -> None: ...
 
 class AppendSessionRequest(_message.Message):
     __slots__ = ("session_id", "tokens")
@@ -520,6 +522,50 @@ class OpPlan(_message.Message):
     summary: SpliceSummary
     ttl_s: float
     def __init__(self, plan_id: _Optional[str] = ..., session_id: _Optional[str] = ..., base_version: _Optional[int] = ..., next_version: _Optional[int] = ..., block_size: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ..., layout: _Optional[_Union[SessionLayout, _Mapping]] = ..., edits: _Optional[bytes] = ..., summary: _Optional[_Union[SpliceSummary, _Mapping]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class FetchSessionRequest(_message.Message):
+    __slots__ = ("session_id", "start", "end", "layout", "rope", "raw")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ROPE_FIELD_NUMBER: _ClassVar[int]
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    start: int
+    end: int
+    layout: KVLayout
+    rope: RopeParams
+    raw: bool
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., rope: _Optional[_Union[RopeParams, _Mapping]] = ..., raw: bool = ...) -> None: ...
+
+class FetchSessionResponse(_message.Message):
+    __slots__ = ("index", "num_tokens", "source_pos", "delta", "rotated", "tier", "data", "last", "target_pos", "chunk_hash", "chunk_offset", "version")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_POS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    ROTATED_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    TARGET_POS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_HASH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    num_tokens: int
+    source_pos: int
+    delta: int
+    rotated: bool
+    tier: str
+    data: bytes
+    last: bool
+    target_pos: int
+    chunk_hash: int
+    chunk_offset: int
+    version: int
+    def __init__(self, index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., source_pos: _Optional[int] = ..., delta: _Optional[int] = ..., rotated: bool = ..., tier: _Optional[str] = ..., data: _Optional[bytes] = ..., last: bool = ..., target_pos: _Optional[int] = ..., chunk_hash: _Optional[int] = ..., chunk_offset: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class CommitSpliceRequest(_message.Message):
     __slots__ = ("plan_id",)

@@ -104,6 +104,11 @@ class KVSidecarStub(object):
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.AbortSpliceRequest.SerializeToString,
                 response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.SessionInfo.FromString,
                 _registered_method=True)
+        self.FetchSession = channel.unary_stream(
+                '/sidecar.v1.KVSidecar/FetchSession',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.FetchSessionRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.FetchSessionResponse.FromString,
+                _registered_method=True)
 
 
 class KVSidecarServicer(object):
@@ -200,6 +205,14 @@ class KVSidecarServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchSession(self, request, context):
+        """A held session's KV for a position range of its current layout, gathered from the canonical
+        stored copies and rotated once each (never chained).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVSidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -272,6 +285,11 @@ def add_KVSidecarServicer_to_server(servicer, server):
                     servicer.AbortSplice,
                     request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.AbortSpliceRequest.FromString,
                     response_serializer=sidecar_dot_v1_dot_sidecar__pb2.SessionInfo.SerializeToString,
+            ),
+            'FetchSession': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchSession,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.FetchSessionRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.FetchSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -652,6 +670,33 @@ class KVSidecar(object):
             '/sidecar.v1.KVSidecar/AbortSplice',
             sidecar_dot_v1_dot_sidecar__pb2.AbortSpliceRequest.SerializeToString,
             sidecar_dot_v1_dot_sidecar__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/FetchSession',
+            sidecar_dot_v1_dot_sidecar__pb2.FetchSessionRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.FetchSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
