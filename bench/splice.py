@@ -182,7 +182,7 @@ class Record:
     ttft_ms: dict
     hit: dict  # arm -> fraction of prompt tokens not prefilled; "oracle" too
     prefilled: dict
-    splice_ms: dict  # the splice arm's phases: rpc (Splice + CommitSplice), move, rotate, prefill
+    splice_ms: dict  # the splice arm's phases: grow, move, rotate, prefill, the rest (RPCs, checks, last token)
     fidelity: dict | None = None
 
 
@@ -214,7 +214,10 @@ class Arms:
         if self._base is None or not np.array_equal(self._base[0], tokens):
             self._base = (tokens, self.splicer.prefill(tokens))
         # shared=True: the session edits a copy, so the next start can reuse the prefill.
-        self.session = SpliceSession.from_prefill(self.splicer, self._base[1], shared=True, sidecar=self.client)
+        # 4096 spare positions, as an engine preallocates its pool: edits that grow the session
+        # do not reallocate the cache (SpliceTimings.grow_s reports it when they do).
+        self.session = SpliceSession.from_prefill(self.splicer, self._base[1], shared=True, reserve=4096,
+                                                  sidecar=self.client)
 
     def close(self) -> None:
         if self.session is not None:
@@ -238,7 +241,7 @@ class Arms:
                 logits = res.logits if res.logits is not None else self.session.next_logits()
                 out[arm] = (time.perf_counter() - t0, res.prefilled + res.refreshed, logits)
                 t = res.timings
-                phases = {"move": t.move_s, "rotate": t.rotate_s, "prefill": t.prefill_s}
+                phases = {"grow": t.grow_s, "move": t.move_s, "rotate": t.rotate_s, "prefill": t.prefill_s}
                 phases = {k: v * 1e3 for k, v in phases.items()}
                 phases["rpc_and_checks"] = out[arm][0] * 1e3 - sum(phases.values())
                 if res.fell_back:

@@ -198,21 +198,16 @@ def directives_to_wire(directives: Sequence[Directive | tuple]) -> list[pb.Direc
 # ---------------------------------------------------------------------------------- plans
 
 
-def _op_to_wire(op: Op) -> pb.Op:
-    msg = pb.Op(kind=int(op.kind), delta=op.delta)
-    if len(op.slots):
-        msg.slots = _packed(op.slots, _I64)
-    if len(op.positions):
-        msg.positions = _packed(op.positions, _I64)
-    if len(op.src_slots):
-        msg.src_slots = _packed(op.src_slots, _I64)
-    if len(op.tokens):
-        msg.tokens = _packed(op.tokens, _U32)
-    if len(op.blocks):
-        msg.blocks = _packed(op.blocks, _I64)
-    if len(op.cum_deltas):
-        msg.cum_deltas = _packed(op.cum_deltas, _I64)
-    return msg
+def _op_fields(op: Op) -> dict:
+    """An op's wire fields (empty arrays stay unset). Passed straight to ``ops.add(**fields)``:
+    the packed bytes are copied once, into the message, not again through a submessage."""
+    fields: dict = {"kind": int(op.kind), "delta": op.delta}
+    for name, arr, dtype in (("slots", op.slots, _I64), ("positions", op.positions, _I64),
+                             ("src_slots", op.src_slots, _I64), ("tokens", op.tokens, _U32),
+                             ("blocks", op.blocks, _I64), ("cum_deltas", op.cum_deltas, _I64)):
+        if len(arr):
+            fields[name] = _packed(arr, dtype)
+    return fields
 
 
 def plan_to_wire(plan: OpPlan, ttl_s: float) -> pb.OpPlan:
@@ -221,23 +216,25 @@ def plan_to_wire(plan: OpPlan, ttl_s: float) -> pb.OpPlan:
         [(e.index, e.start, e.end, len(e.replacement), MODE_TO_WIRE[e.mode]) for e in plan.edits], dtype=_I64
     ).reshape(-1, EDIT_FIELDS)
     s = plan.summary
-    return pb.OpPlan(
+    msg = pb.OpPlan(
         plan_id=plan.plan_id,
         session_id=plan.session_id,
         base_version=plan.base_version,
         next_version=plan.next_version,
         block_size=plan.block_size,
-        ops=[_op_to_wire(op) for op in plan.ops],
-        layout=pb.SessionLayout(
-            tokens=_packed(lay.tokens, _U32),
-            slots=_packed(lay.slots, _I64),
-            rotations=_packed(lay.rotations, _I32),
-            cum_deltas=_packed(lay.cum_deltas, _I64),
-        ),
         edits=edits.tobytes(),
-        summary=pb.SpliceSummary(**{f: getattr(s, f) for f in _SUMMARY_FIELDS}),
         ttl_s=ttl_s,
     )
+    for op in plan.ops:
+        msg.ops.add(**_op_fields(op))
+    # Fields set in place: a submessage built apart would be copied again into the plan.
+    msg.layout.tokens = _packed(lay.tokens, _U32)
+    msg.layout.slots = _packed(lay.slots, _I64)
+    msg.layout.rotations = _packed(lay.rotations, _I32)
+    msg.layout.cum_deltas = _packed(lay.cum_deltas, _I64)
+    for f in _SUMMARY_FIELDS:
+        setattr(msg.summary, f, getattr(s, f))
+    return msg
 
 
 def _op_from_wire(msg: pb.Op, i: int) -> Op:

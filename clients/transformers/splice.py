@@ -85,6 +85,7 @@ class PlanNotApplicable(ValueError):
 class SpliceTimings:
     """Seconds spent per phase of one plan (``total_s`` includes the checks)."""
 
+    grow_s: float = 0.0  # growing the cache's capacity for the edited sequence (reallocation)
     move_s: float = 0.0
     rotate_s: float = 0.0
     prefill_s: float = 0.0
@@ -239,8 +240,10 @@ def _execute(engine: Engine, cache: SequenceCache, c: _Compiled, new_tokens: np.
     tm = SpliceTimings()
     pad = MIN_ROWS if engine.deterministic else 0
     need = c.n2 + pad + max(0, reserve)
+    t0 = clock()
     for layer in cache.layers:
         layer._reserve(need)  # at the old length: every live row is carried over
+    tm.grow_s = clock() - t0
     dev = engine.device
 
     t0 = clock()
@@ -397,11 +400,14 @@ class SpliceSession:
         self._broken: str | None = None
 
     @classmethod
-    def from_prefill(cls, engine: Engine, res: PrefillResult, *, shared: bool = True, **kwargs: Any) -> "SpliceSession":
+    def from_prefill(
+        cls, engine: Engine, res: PrefillResult, *, shared: bool = True, reserve: int = 0, **kwargs: Any
+    ) -> "SpliceSession":
         """A session over a prefilled prompt. ``shared``: the cache is also referenced by the
         engine's own prefix cache (a ``prefill`` with ``store`` and ``prefix_cache``), so it is
-        copied first; pass False to edit ``res.cache`` itself."""
-        cache = clone_cache(engine, res.cache) if shared else res.cache
+        copied first (with ``reserve`` spare positions for later growth); pass False to edit
+        ``res.cache`` itself."""
+        cache = clone_cache(engine, res.cache, reserve=reserve) if shared else res.cache
         return cls(engine, res.tokens, cache, logits=res.logits, **kwargs)
 
     @classmethod
