@@ -60,10 +60,9 @@ from sidecar.policy import (  # the Policy SDK: message-list rewrites -> directi
 )
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.registry.plan import AdmissionPolicy, LookupPlan
-from sidecar.tenancy import AUTH_HEADER, TENANT_HEADER
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
-from sidecar.wire import POLICY_TO_WIRE, identity_to_wire, layout_to_wire, plan_from_wire, rope_to_wire, tokens_to_wire
+from sidecar.wire import AUTH_HEADER, POLICY_TO_WIRE, TENANT_HEADER, identity_to_wire, layout_to_wire, plan_from_wire, rope_to_wire, tokens_to_wire
 from sidecar.wire_directives import SessionState, directives_to_wire, session_from_wire
 from sidecar.wire_directives import plan_from_wire as op_plan_from_wire
 

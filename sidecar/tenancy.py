@@ -15,9 +15,8 @@ from collections.abc import Iterable
 from sidecar.config import AuthConfig
 from sidecar.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from sidecar.identity import SHARED_SCOPE
+from sidecar.wire import AUTH_HEADER, TENANT_HEADER
 
-TENANT_HEADER = "x-tenant-id"
-AUTH_HEADER = "authorization"
 _TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 
 

@@ -17,6 +17,11 @@ from sidecar.identity import CacheIdentity, KVLayout, KVPart
 from sidecar.registry.plan import SEGMENT_FIELDS, AdmissionPolicy, LookupPlan, LookupSummary
 from sidecar.v1 import sidecar_pb2 as pb
 
+#: Request metadata keys (ARCHITECTURE.md, "Tenancy"); kept here so clients need not import the
+#: server's configuration.
+TENANT_HEADER = "x-tenant-id"
+AUTH_HEADER = "authorization"
+
 if TYPE_CHECKING:
     from sidecar.rotation import RopeSpec
 

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
-from sidecar.config import SidecarConfig  # noqa: E402
 from sidecar.identity import CacheIdentity  # noqa: E402
 from sidecar.registry.chunker import ChunkerConfig  # noqa: E402
+
+if TYPE_CHECKING:
+    from sidecar.config import SidecarConfig
 
 #: Token ids >= ANCHOR_BASE play the chat template's special tokens in tests.
 ANCHOR_BASE = 100_000
@@ -19,6 +22,10 @@ ANCHORS = tuple(range(ANCHOR_BASE, ANCHOR_BASE + 4))
 
 
 def make_config(**overrides) -> SidecarConfig:
+    # Imported here: the engine suite (tests/engines, its own environment without LMCache)
+    # loads this conftest too, and sidecar.config pulls in the tiers.
+    from sidecar.config import SidecarConfig  # noqa: F811
+
     base = dict(port=0, metrics_port=0, grace_period_s=0.2, chunker=ChunkerConfig(anchor_tokens=ANCHORS))
     base.update(overrides)
     return SidecarConfig(**base)
