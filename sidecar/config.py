@@ -30,9 +30,12 @@ from sidecar.registry.registry import RegistryConfig
 from sidecar.tiers import StoreConfig
 
 ENV_PREFIX = "KV_SIDECAR_"
-#: Variables under the prefix that are not settings: the config file, ./dev's venv, the model
-#: cache of clients.transformers.pretrained.
-NOT_SETTINGS = frozenset(ENV_PREFIX + k for k in ("CONFIG", "VENV", "MODEL_CACHE"))
+#: Variables under the prefix that are not settings: the config file, ./dev's environments, the
+#: model cache of clients.transformers.pretrained, the engine suite's server interpreter / binary.
+NOT_SETTINGS = frozenset(
+    ENV_PREFIX + k
+    for k in ("CONFIG", "VENV", "ENGINE_VENV", "MODEL_CACHE", "SERVER_PYTHON", "BIN")  # ./dev, engine tests
+)
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 
