@@ -19,11 +19,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @contextmanager
-def sidecar_process(*flags: str, env: dict[str, str] | None = None) -> Iterator[str]:
+def sidecar_process(*flags: str, env: dict[str, str] | None = None, python: str | None = None) -> Iterator[str]:
     """Run ``kv-sidecar serve`` in a child process (its own interpreter and GIL, as deployed);
     yields the gRPC target. Extra settings go in as ``--set key=value`` flags. The port is read
-    from the INFO start-up line, so the log level stays at INFO."""
-    cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--metrics-port", "-1", "--log-level", "INFO",
+    from the INFO start-up line, so the log level stays at INFO. ``python``: the interpreter of
+    the server's environment (default: this one; an engine environment without the server's
+    dependencies passes the main one, ``server_python()``)."""
+    cmd = [python or sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--metrics-port", "-1", "--log-level", "INFO",
            *flags]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     try:
@@ -44,6 +46,16 @@ def sidecar_process(*flags: str, env: dict[str, str] | None = None) -> Iterator[
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def server_python() -> str:
+    """The interpreter that can run the sidecar: ``$KV_SIDECAR_SERVER_PYTHON`` (set by ./dev for
+    the engine suite), else the main environment's ``.venv``, else this one."""
+    env = os.environ.get("KV_SIDECAR_SERVER_PYTHON")
+    if env:
+        return env
+    main = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "python"
+    return str(main) if main.exists() else sys.executable
 
 
 def time_calls(fn: Callable[[], Any], n: int, warmup: int = 50) -> np.ndarray:

@@ -8,14 +8,10 @@ CPU, so the pools are SGLang's own pool classes on CPU filled with known tensors
 
 from __future__ import annotations
 
-import os
-import re
 import socket
-import subprocess
 import sys
 import time
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,7 +23,6 @@ try:
 except ImportError as exc:  # pragma: no cover - the main environment has no sglang
     pytest.skip(f"sglang is not importable here ({exc}); run in .venv-engines", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
 ANCHOR = 100_000
 
 
@@ -68,31 +63,11 @@ def _torchvision_shim() -> None:
 
 @pytest.fixture(scope="module")
 def sidecar_target():
-    exe = os.environ.get("KV_SIDECAR_BIN") or str(ROOT / ".venv" / "bin" / "kv-sidecar")
-    if not Path(exe).exists():
-        pytest.skip(f"no sidecar executable at {exe} (set KV_SIDECAR_BIN)")
-    cmd = [exe, "serve", "--port", "0", "--metrics-port", "-1", "--log-level", "INFO",
-           "--set", f"chunker.anchor_tokens=[{ANCHOR}]", "--set", "default_recompute_tokens=0"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 120
-        target = None
-        while time.time() < deadline:
-            line = proc.stderr.readline()
-            if not line and proc.poll() is not None:
-                raise RuntimeError(f"sidecar exited with {proc.returncode}")
-            m = re.search(r"serving \S+ on ([\d.]+):(\d+)", line)
-            if m:
-                target = f"{m.group(1)}:{m.group(2)}"
-                break
-        assert target, "sidecar did not start within 120 s"
+    from bench.harness import server_python, sidecar_process
+
+    with sidecar_process("--set", f"chunker.anchor_tokens=[{ANCHOR}]", "--set", "default_recompute_tokens=0",
+                         python=server_python()) as target:
         yield target
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _dead_target() -> str:
