@@ -7,7 +7,9 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,26 +21,33 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @contextmanager
-def sidecar_process(*flags: str, env: dict[str, str] | None = None, python: str | None = None) -> Iterator[str]:
+def sidecar_process(*flags: str, env: dict[str, str] | None = None, python: str | None = None,
+                    log: deque[str] | None = None) -> Iterator[str]:
     """Run ``kv-sidecar serve`` in a child process (its own interpreter and GIL, as deployed);
     yields the gRPC target. Extra settings go in as ``--set key=value`` flags. The port is read
-    from the INFO start-up line, so the log level stays at INFO. ``python``: the interpreter of
-    the server's environment (default: this one; an engine environment without the server's
-    dependencies passes the main one, ``server_python()``)."""
+    from the INFO start-up line, so the log level stays at INFO; after start-up a thread keeps
+    draining the log (a full pipe would stall the server) into ``log`` when one is given.
+    ``python``: the interpreter of the server's environment (default: this one; an engine
+    environment without the server's dependencies passes the main one, ``server_python()``)."""
+    root = Path(__file__).resolve().parents[1]
     cmd = [python or sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--metrics-port", "-1", "--log-level", "INFO",
            *flags]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    lines: deque[str] = log if log is not None else deque(maxlen=200)
+    proc = subprocess.Popen(cmd, cwd=root, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "LMCACHE_TRACK_USAGE": "false", **(env or {})})
     try:
         deadline = time.time() + 120
         while time.time() < deadline:
             line = proc.stderr.readline()
+            lines.append(line)
             if not line and proc.poll() is not None:
-                raise RuntimeError(f"sidecar exited with {proc.returncode}")
+                raise RuntimeError(f"sidecar exited with {proc.returncode}: {''.join(list(lines)[-20:])}")
             m = re.search(r"serving \S+ on ([\d.]+):(\d+)", line)
             if m:
                 break
         else:
             raise RuntimeError("sidecar did not start within 120 s")
+        threading.Thread(target=lines.extend, args=(proc.stderr,), daemon=True).start()
         yield f"{m.group(1)}:{m.group(2)}"
     finally:
         proc.terminate()

@@ -1,0 +1,188 @@
+"""Copy KV rows between sidecar payloads and vLLM's paged KV cache (CPU backend first).
+
+vLLM hands the connector one tensor per attention layer, ``[num_blocks, kv_heads, block_size,
+2 * head_size]`` on the CPU backend. What sits inside a block is the attention kernel's business:
+on x86 without AMX (``isa = "vec"``) each (block, head) holds the keys **dim-major** ``[head_size,
+block_size]`` followed by the values token-major ``[block_size, head_size]`` (measured against a
+transformers forward of the same model: see docs/vllm.md). Other ISAs may pack differently, so
+the layout is not assumed: ``BlockLayout.learn`` writes known ids through the engine's own
+cache-write kernel (``cpu_attn_reshape_and_cache``) into a scratch block and reads back where
+each (token, head, dim) of K and V landed. Copies then use those offsets; the common ``vec``
+layout gets a strided fast path.
+
+Sidecar payloads are ``KVLayout.gqa`` order: per layer, K ``[n, H, D]`` then V ``[n, H, D]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+# bf16 / fp16 hold every integer 0..256 exactly: ids are written in base-256 digits.
+_DIGIT = 256
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where K[t, h, d] and V[t, h, d] of a block's token ``t`` live inside the block's flat
+    storage (``H * block_size * 2 * D`` elements). ``kind`` is ``"kT_v"`` for the vec layout
+    (fast path) or ``"generic"``."""
+
+    num_kv_heads: int
+    block_size: int
+    head_size: int
+    k_off: torch.Tensor  # int64 [B, H, D]
+    v_off: torch.Tensor  # int64 [B, H, D]
+    kind: str
+
+    @property
+    def block_elems(self) -> int:
+        return self.num_kv_heads * self.block_size * 2 * self.head_size
+
+    @classmethod
+    def vec(cls, num_kv_heads: int, block_size: int, head_size: int) -> "BlockLayout":
+        """The layout of the CPU backend's ``vec`` kernel: per head, K as [D, B] then V as [B, D]."""
+        H, B, D = num_kv_heads, block_size, head_size
+        t = torch.arange(B).view(B, 1, 1)
+        h = torch.arange(H).view(1, H, 1)
+        d = torch.arange(D).view(1, 1, D)
+        base = h * (2 * B * D)
+        return cls(H, B, D, (base + d * B + t).expand(B, H, D).contiguous(),
+                   (base + B * D + t * D + d).expand(B, H, D).contiguous(), "kT_v")
+
+    @classmethod
+    def learn(
+        cls,
+        write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None],
+        num_kv_heads: int,
+        block_size: int,
+        head_size: int,
+        dtype: torch.dtype,
+    ) -> "BlockLayout":
+        """Learn the layout from ``write(key, value, key_cache, value_cache, slot_mapping)`` (the
+        engine's cache-write kernel) on a one-block scratch cache."""
+        H, B, D = num_kv_heads, block_size, head_size
+        n_ids = 2 * B * H * D
+        ids = torch.arange(n_ids, dtype=torch.int64)
+        found = torch.zeros(H * B * 2 * D, dtype=torch.int64)
+        written = torch.zeros(H * B * 2 * D, dtype=torch.bool)
+        scale = 1
+        while scale < n_ids:
+            digit = ((ids // scale) % _DIGIT).to(dtype)
+            scratch = torch.full((1, H, B, 2 * D), -1.0, dtype=dtype)
+            kc, vc = scratch.view(1, H, 2 * B, D).chunk(2, dim=2)
+            key = digit[: B * H * D].view(B, H, D).contiguous()
+            value = digit[B * H * D :].view(B, H, D).contiguous()
+            write(key, value, kc, vc, torch.arange(B, dtype=torch.int64))
+            flat = scratch.view(-1).float()
+            ok = flat >= 0
+            written |= ok
+            found += torch.where(ok, flat, torch.zeros_like(flat)).to(torch.int64) * scale
+            scale *= _DIGIT
+        if int(written.sum()) != n_ids:
+            raise RuntimeError(f"cache-write kernel filled {int(written.sum())} of {n_ids} block elements")
+        pos = torch.full((n_ids,), -1, dtype=torch.int64)
+        pos[found[written]] = torch.nonzero(written).view(-1)
+        if bool((pos < 0).any()):
+            raise RuntimeError("cache-write kernel layout is not a permutation of the block")
+        k_off = pos[: B * H * D].view(B, H, D).contiguous()
+        v_off = pos[B * H * D :].view(B, H, D).contiguous()
+        vec = cls.vec(H, B, D)
+        kind = "kT_v" if torch.equal(k_off, vec.k_off) and torch.equal(v_off, vec.v_off) else "generic"
+        return cls(H, B, D, k_off, v_off, kind)
+
+
+class PagedKV:
+    """The engine's per-layer paged caches in layer order, with copies to and from payloads."""
+
+    def __init__(self, layers: list[torch.Tensor], layout: BlockLayout) -> None:
+        self.layers = layers
+        self.layout = layout
+        self.dtype = layers[0].dtype
+        nb = layers[0].shape[0]
+        self._flat = [t.view(nb, -1) for t in layers]
+        H, B, D = layout.num_kv_heads, layout.block_size, layout.head_size
+        if layout.kind == "kT_v":
+            # [nb, H, 2, D*B] -> K [nb, H, D, B], V [nb, H, B, D]
+            self._k = [t.view(nb, H, 2, B * D)[:, :, 0].view(nb, H, D, B) for t in layers]
+            self._v = [t.view(nb, H, 2, B * D)[:, :, 1].view(nb, H, B, D) for t in layers]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def _blocks(self, block_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The engine blocks covering ``positions`` (ascending) and each position's row in
+        those blocks laid end to end."""
+        B = self.layout.block_size
+        uniq, inv = torch.unique_consecutive(positions // B, return_inverse=True)
+        return block_ids[uniq], inv * B + positions % B, len(uniq)
+
+    def gather(self, block_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """KV rows of ``positions`` (int64 [n], ascending) as ``[L, 2, n, H, D]`` (a new tensor)."""
+        L, n = self.num_layers, len(positions)
+        H, B, D = self.layout.num_kv_heads, self.layout.block_size, self.layout.head_size
+        out = torch.empty((L, 2, n, H, D), dtype=self.dtype)
+        if self.layout.kind == "kT_v":
+            blks, rows, m = self._blocks(block_ids, positions)
+            for li in range(L):
+                x = self._flat[li].index_select(0, blks).view(m, H, 2, B * D)  # whole blocks, one copy
+                k = x[:, :, 0].view(m, H, D, B).permute(0, 3, 1, 2).reshape(m * B, H, D)
+                v = x[:, :, 1].view(m, H, B, D).permute(0, 2, 1, 3).reshape(m * B, H, D)
+                torch.index_select(k, 0, rows, out=out[li, 0])
+                torch.index_select(v, 0, rows, out=out[li, 1])
+            return out
+        blk, off = block_ids[positions // B], positions % B
+        kidx, vidx = self.layout.k_off[off], self.layout.v_off[off]
+        b3 = blk.view(n, 1, 1)
+        for li in range(L):
+            out[li, 0] = self._flat[li][b3, kidx]
+            out[li, 1] = self._flat[li][b3, vidx]
+        return out
+
+    def scatter(self, rows_kv: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write ``rows_kv`` ``[L, 2, n, H, D]`` (engine dtype) at ``positions`` (ascending)."""
+        n = len(positions)
+        H, B, D = self.layout.num_kv_heads, self.layout.block_size, self.layout.head_size
+        if self.layout.kind == "kT_v":
+            blks, rows, m = self._blocks(block_ids, positions)
+            whole = m * B == n  # every covered block is overwritten entirely (block-aligned claims)
+            for li in range(self.num_layers):
+                if whole:
+                    k = rows_kv[li, 0].reshape(m, B, H, D)
+                    v = rows_kv[li, 1].reshape(m, B, H, D)
+                else:
+                    cur = self._flat[li].index_select(0, blks).view(m, H, 2, B * D)
+                    k = cur[:, :, 0].view(m, H, D, B).permute(0, 3, 1, 2).reshape(m * B, H, D)
+                    v = cur[:, :, 1].view(m, H, B, D).permute(0, 2, 1, 3).reshape(m * B, H, D)
+                    k.index_copy_(0, rows, rows_kv[li, 0])
+                    v.index_copy_(0, rows, rows_kv[li, 1])
+                    k, v = k.view(m, B, H, D), v.view(m, B, H, D)
+                x = torch.empty((m, H, 2, B * D), dtype=self.dtype)
+                x[:, :, 0].view(m, H, D, B).copy_(k.permute(0, 2, 3, 1))
+                x[:, :, 1].view(m, H, B, D).copy_(v.permute(0, 2, 1, 3))
+                self._flat[li].index_copy_(0, blks, x.view(m, -1))
+            return
+        blk, off = block_ids[positions // B], positions % B
+        kidx, vidx = self.layout.k_off[off], self.layout.v_off[off]
+        b3 = blk.view(n, 1, 1)
+        for li in range(self.num_layers):
+            self._flat[li][b3, kidx] = rows_kv[li, 0]
+            self._flat[li][b3, vidx] = rows_kv[li, 1]
+
+
+def payload_view(data: bytes | bytearray | memoryview, num_layers: int, n: int, heads: int, head_size: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """A fetched payload as ``[L, 2, n, H, D]`` (no copy; read-only if ``data`` is)."""
+    buf = np.frombuffer(data, dtype=np.uint8)
+    t = torch.from_numpy(buf.copy() if not buf.flags.writeable else buf)
+    return t.view(dtype).view(num_layers, 2, n, heads, head_size)
+
+
+def payload_bytes(rows: torch.Tensor) -> memoryview:
+    """``[L, 2, n, H, D]`` rows as payload bytes (layer-major, K then V, each [n, H, D])."""
+    t = rows.contiguous()
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")

@@ -1,0 +1,127 @@
+"""Run one vLLM engine (CPU) over a list of prompts, optionally with the sidecar connector.
+
+``python -m clients.vllm.run SPEC.json OUT.json``: one process = one engine with an empty local
+cache, so two runs are an engine restart. The tests (tests/engines) and the benchmark
+(bench/vllm.py) drive engines through it. SPEC::
+
+    {"model": "/path/to/hf-dir",
+     "sidecar": "127.0.0.1:PORT" | null,          # null: vLLM without the connector
+     "extra": {...},                              # more kv_connector_extra_config keys
+     "gap_fill": true,                            # --scheduler-cls clients.vllm.scheduler.SidecarScheduler
+     "prefix_caching": true, "block_size": 32, "max_model_len": 8192,
+     "requests": [{"prompt_token_ids": [...], "max_tokens": 16, "params": {...kv_transfer_params}}]}
+
+A ``params`` value ``"@i"`` is replaced by the session id (or, for a key ending in ``version``,
+the session version) that request ``i``'s output returned (``sidecar_session: "open"``).
+
+Requests run one at a time, in order (each sees what the previous ones stored). OUT gets per
+request the generated token ids, ``kv_transfer_params["sidecar"]`` (planned / claimed tokens),
+time to first token (vLLM's own request metrics) and wall time; plus start-up time and, when the
+engine runs in-process, the worker connector's counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+
+def build_llm(spec: dict[str, Any]):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kw: dict[str, Any] = dict(
+        model=spec["model"], enforce_eager=True, block_size=int(spec.get("block_size", 32)),
+        dtype=spec.get("dtype", "bfloat16"), max_model_len=int(spec.get("max_model_len", 8192)),
+        enable_prefix_caching=bool(spec.get("prefix_caching", True)), disable_log_stats=False, seed=0,
+    )
+    if spec.get("max_num_batched_tokens"):
+        kw["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
+    if spec.get("load_format"):
+        kw["load_format"] = spec["load_format"]
+    if spec.get("sidecar"):
+        extra = {"sidecar": spec["sidecar"], **spec.get("extra", {})}
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="SidecarConnector", kv_connector_module_path="clients.vllm.connector",
+            kv_role="kv_both", kv_connector_extra_config=extra)
+        if spec.get("gap_fill", True):
+            kw["scheduler_cls"] = "clients.vllm.scheduler.SidecarScheduler"
+    return LLM(**kw)
+
+
+def _flush_worker() -> None:
+    try:
+        from clients.vllm import connector as conn
+    except Exception:  # noqa: BLE001
+        return
+    w = conn.INSTANCES.get("worker")
+    if w is not None:
+        w.flush()
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = build_llm(spec)
+    startup = time.perf_counter() - t0
+    results = []
+    for req in spec["requests"]:
+        params = dict(req.get("params") or {})
+        for k, v in list(params.items()):  # "@i": the session id / version request i's output returned
+            if isinstance(v, str) and v.startswith("@"):
+                sess = ((results[int(v[1:])].get("sidecar") or {}).get("session") or {})
+                params[k] = sess.get("version" if k.endswith("version") else "id")
+        extra_args = {"kv_transfer_params": params}
+        sp = SamplingParams(max_tokens=int(req.get("max_tokens", 16)), temperature=0.0, extra_args=extra_args,
+                            ignore_eos=bool(req.get("ignore_eos", False)))
+        t1 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": list(req["prompt_token_ids"])}], sp, use_tqdm=False)[0]
+        wall = time.perf_counter() - t1
+        _flush_worker()  # in-process: the next request sees this one's background Store
+        m = out.metrics
+        results.append({
+            "token_ids": list(out.outputs[0].token_ids),
+            "text": out.outputs[0].text,
+            "sidecar": (out.kv_transfer_params or {}).get("sidecar"),
+            "ttft_s": float(getattr(m, "first_token_latency", 0.0) or 0.0) if m is not None else None,
+            "wall_s": wall,
+            "prompt_tokens": len(req["prompt_token_ids"]),
+            "num_cached_tokens": getattr(out, "num_cached_tokens", None),
+        })
+    worker = None
+    try:
+        from clients.vllm import connector as conn
+
+        w = conn.INSTANCES.get("worker")
+        if w is not None:
+            w.flush()
+            worker = w.stats()
+        s = conn.INSTANCES.get("scheduler")
+        sched = s.stats() if s is not None else None
+    except Exception:  # noqa: BLE001 - vLLM without the connector
+        sched = None
+    try:
+        llm.llm_engine.engine_core.shutdown()  # workers flush their background Stores
+    except Exception:  # noqa: BLE001
+        pass
+    return {"startup_s": startup, "results": results, "worker_stats": worker, "scheduler_stats": sched,
+            "multiprocess": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = json.loads(open(argv[0]).read())
+    out = run(spec)
+    with open(argv[1], "w") as f:
+        json.dump(out, f)
+    os._exit(0)  # vLLM's engine threads can keep an interpreter alive at exit
+
+
+if __name__ == "__main__":
+    sys.exit(main())

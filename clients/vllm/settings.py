@@ -1,0 +1,199 @@
+"""Connector settings (``kv_connector_extra_config``) and the cache identity of a vLLM engine.
+
+Both connector roles (scheduler and worker, separate processes by default) compute the same
+identity from the ``VllmConfig`` alone, so they agree without talking to each other:
+
+* ``model_id``: the served model name (or the extra config's ``model_id``);
+* ``weights_hash``: xxh64 over each weights file's name, size, safetensors header and three
+  1 MiB samples of its data (start, middle, end): cheap for any model size, different for
+  different weights of one architecture;
+* ``tokenizer_hash``: xxh64 of the tokenizer files;
+* ``kv_layout``: ``KVLayout.gqa(layers, kv heads, head size, cache dtype)`` fingerprint;
+* ``rope_fingerprint``: ``RopeSpec.from_hf_config(hf_config, pairing=is_neox_style)``;
+* ``block_size``: vLLM's block size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sidecar.rotation import RopeSpec
+
+import xxhash
+
+from sidecar.identity import CacheIdentity, KVLayout
+
+# sidecar.rotation is imported lazily (engine_shape): it loads numba/llvmlite, and vLLM 0.32's
+# worker start-up scans every module in sys.modules for Triton kernels and crashes on
+# llvmlite's ``_lib_fn_wrapper`` objects (AttributeError in triton_utils/dispatcher.py). The
+# connector class is imported by vLLM's config validation before the workers start, so this
+# module must not pull numba in at import time.
+
+log = logging.getLogger("clients.vllm")
+
+_SAMPLE = 1 << 20
+_TORCH_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """``kv_connector_extra_config`` keys (all optional except ``sidecar``).
+
+    sidecar: "host:port" of the sidecar. tenant: default tenant (``x-tenant-id``); a request's
+    ``kv_transfer_params["sidecar_tenant"]`` overrides it. token: bearer token. timeout_s: per
+    RPC. min_hit_tokens: claim nothing shorter. policy / recompute_tokens /
+    left_context_window: the Lookup's admission (None: the sidecar's defaults).
+    bridge_recompute: serve the recompute guard's few tokens from the chunk instead of ending
+    the claim there (see ``claim.py``). store: "async" (default; Store on a background thread
+    after the prefill step), "sync", or "off". gap_fill / max_gap_fills / min_gap_run:
+    the scheduler plug-in's gap-fill sub-requests (``scheduler.py``). retry_after_s: after a
+    failed call, skip the sidecar this long (requests are prefilled meanwhile).
+    """
+
+    target: str
+    tenant: str = "default"
+    token: str | None = None
+    timeout_s: float = 5.0
+    min_hit_tokens: int = 0  # 0: one block
+    policy: str = "position_independent"
+    recompute_tokens: int | None = None
+    left_context_window: int | None = None
+    bridge_recompute: bool = True
+    store: str = "async"
+    gap_fill: bool = True
+    max_gap_fills: int = 4
+    min_gap_run: int = 256
+    retry_after_s: float = 5.0
+    model_id: str = ""
+    namespace: str = ""
+    rope_is_neox_style: bool | None = None
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "Settings":
+        extra = dict(extra or {})
+        if "sidecar" not in extra:
+            raise ValueError('kv_connector_extra_config: "sidecar" ("host:port") is required')
+        kw: dict[str, Any] = {"target": str(extra.pop("sidecar"))}
+        fields = cls.__dataclass_fields__
+        for k, v in extra.items():
+            if k in fields and k != "target":
+                kw[k] = v
+            else:
+                log.warning("kv_connector_extra_config: unknown key %r ignored", k)
+        s = cls(**kw)
+        if s.store not in ("async", "sync", "off"):
+            raise ValueError('kv_connector_extra_config "store": one of "async", "sync", "off"')
+        return s
+
+
+def _file_digest(path: Path, h: "xxhash.xxh64") -> None:
+    size = path.stat().st_size
+    h.update(f"{path.name}\x1f{size}\x1f".encode())
+    with path.open("rb") as f:
+        if path.suffix == ".safetensors":
+            n = int.from_bytes(f.read(8), "little")
+            if 0 < n < 100 << 20:
+                h.update(f.read(n))
+        for off in (0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)):
+            f.seek(off)
+            h.update(f.read(_SAMPLE))
+
+
+def weights_hash(model_dir: str) -> str:
+    """Digest of the weights files of a local model directory ("" if not a directory)."""
+    p = Path(model_dir)
+    if not p.is_dir():
+        return ""
+    files = sorted([*p.glob("*.safetensors"), *p.glob("*.bin"), *p.glob("*.gguf")])
+    h = xxhash.xxh64()
+    for f in files:
+        _file_digest(f, h)
+    return h.hexdigest() if files else ""
+
+
+def tokenizer_hash(tokenizer_dir: str) -> str:
+    p = Path(tokenizer_dir)
+    if not p.is_dir():
+        return ""
+    h = xxhash.xxh64()
+    found = False
+    for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json"):
+        f = p / name
+        if f.is_file():
+            h.update(name.encode() + b"\x1f" + f.read_bytes())
+            found = True
+    return h.hexdigest() if found else ""
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: str  # KVLayout dtype name
+    layout: KVLayout
+    rope: "RopeSpec"
+    identity: CacheIdentity
+
+
+def kv_dtype_name(vllm_config: Any) -> str:
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", None):
+        raise ValueError(f"kv cache dtype {cache_dtype!r}: only 'auto' (the model dtype) is supported")
+    name = _TORCH_DTYPES.get(str(vllm_config.model_config.dtype))
+    if name is None:
+        raise ValueError(f"model dtype {vllm_config.model_config.dtype} is not supported")
+    return name
+
+
+def engine_shape(vllm_config: Any, settings: Settings) -> EngineShape:
+    from sidecar.rotation import Pairing, RopeSpec
+
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+        raise ValueError("the sidecar connector supports tensor/pipeline parallel size 1 only")
+    if mc.use_mla:
+        raise ValueError("MLA models are not supported by the vLLM sidecar connector yet")
+    num_layers = mc.get_num_layers(pc)
+    kv_heads = mc.get_num_kv_heads(pc)
+    head = mc.get_head_size()
+    block = vllm_config.cache_config.block_size
+    dtype = kv_dtype_name(vllm_config)
+    layout = KVLayout.gqa(num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head, dtype=dtype)
+    neox = True if settings.rope_is_neox_style is None else bool(settings.rope_is_neox_style)
+    rope = RopeSpec.from_hf_config(mc.hf_config, pairing=Pairing.from_neox_style(neox))
+    served = mc.served_model_name
+    if isinstance(served, (list, tuple)):
+        served = served[0]
+    model_id = settings.model_id or str(served or mc.model)
+    identity = CacheIdentity(
+        model_id=model_id,
+        weights_hash=weights_hash(mc.model),
+        tokenizer_hash=tokenizer_hash(mc.tokenizer or mc.model),
+        kv_layout=layout.fingerprint(),
+        rope_fingerprint=rope.fingerprint,
+        block_size=block,
+        namespace=settings.namespace,
+    )
+    return EngineShape(num_layers, kv_heads, head, block, dtype, layout, rope, identity)
+
+
+def describe(shape: EngineShape) -> str:
+    i = shape.identity
+    return json.dumps({"model_id": i.model_id, "weights": i.weights_hash, "tokenizer": i.tokenizer_hash,
+                       "layers": shape.num_layers, "kv_heads": shape.num_kv_heads, "head": shape.head_size,
+                       "block": shape.block_size, "dtype": shape.dtype, "pairing": shape.rope.pairing.value,
+                       "identity": i.fingerprint})
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    v = os.environ.get(name)
+    return default if v is None else v.strip().lower() in ("1", "true", "yes", "on")

@@ -1,0 +1,241 @@
+"""vLLM (CPU build) with ``clients.vllm.connector.SidecarConnector`` against a real sidecar.
+
+Real engines, the real model (SmolLM2-135M-Instruct, bf16), real gRPC; every engine is a fresh
+process (an empty local prefix cache), so a second engine is an engine restart. Engines:
+
+* A (in-process engine core): the reference outputs and the Stores. P1 (stores its chunks),
+  X under tenant "ref" (nothing to reuse there: vLLM's plain output for X), Y = another
+  agent's header before X's body (stores the body at shifted positions).
+* B (multiprocess engine core, the default vLLM mode): P1 again (exact-prefix reuse across the
+  restart), then X: a new header before Y's body, served through the gap-fill plug-in
+  (``--scheduler-cls clients.vllm.scheduler.SidecarScheduler``), and X2: the same header
+  warmed in vLLM's own cache first (a shifted continuation claimable without a gap-fill).
+* C: the connector pointed at a closed port (the sidecar is down): P1 still served, by prefill.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed in this environment (the engine tests run in .venv-engines)")
+transformers = pytest.importorskip("transformers")
+
+from tests.engines.conftest import ROOT, closed_port, run_engine  # noqa: E402
+
+pytestmark = pytest.mark.timeout(1800)
+
+MAX_TOKENS = 16
+
+
+def _paragraphs(path: Path, k: int, skip: int = 0) -> list[str]:
+    text = re.sub(r"\n{3,}", "\n\n", path.read_text())
+    paras = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 200]
+    return paras[skip : skip + k]
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir):
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+
+    def render(system: str, body: list[str], question: str) -> list[int]:
+        msgs = [{"role": "system", "content": system}]
+        msgs += [{"role": "user" if i % 2 == 0 else "assistant", "content": p} for i, p in enumerate(body)]
+        msgs.append({"role": "user", "content": question})
+        ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
+        return [int(t) for t in ids]
+
+    readme = _paragraphs(ROOT / "README.md", 10)
+    fidelity = _paragraphs(ROOT / "docs" / "fidelity.md", 8)
+    h1 = "You are the booking agent of the airline. Answer in one short sentence. " * 3
+    h2 = ("You are the refunds agent. You check every claim against the policy, cite the rule you apply, "
+          "and never promise a refund the policy does not allow. ") * 4
+    h3 = "You are the triage agent; route each question to the right team and say which one. " * 5
+    p1 = render("You are a helpful assistant.", fidelity, "Summarize the fidelity results in one sentence.")
+    stub = [int(t) for t in tok.encode(" [older content removed] ", add_special_tokens=False)]
+    starts = [i for i, t in enumerate(p1) if t == 1]  # <|im_start|>: message k is [starts[k], starts[k+1])
+
+    def content(seq: list[int], k: int) -> tuple[int, int]:
+        at = [i for i, t in enumerate(seq) if t == 1]
+        return at[k] + 3, at[k + 1] - 2  # after "<|im_start|>role\n", before "<|im_end|>\n"
+
+    s1, e1 = content(p1, 2)  # an early message: amortize (kept content reused)
+    e1p = p1[:s1] + stub + p1[e1:]
+    s2, e2 = content(e1p, 6)  # a later one: forget (nothing after it served from cache)
+    e2p = e1p[:s2] + stub + e1p[e2:]
+    assert len(starts) > 8
+    return {
+        "e1": e1p, "e2": e2p,
+        "d1": [[s1, e1, stub, "amortize"]], "d2": [[s2, e2, stub, "forget"]], "forget_at": s2,
+        "p1": render("You are a helpful assistant.", fidelity, "Summarize the fidelity results in one sentence."),
+        "x": render(h1, readme, "What does the sidecar do with a shifted chunk?"),
+        "y": render(h2, readme, "Which workloads were measured?"),
+        "z": render(h3, readme, "What does the sidecar do with a shifted chunk?"),
+        "w": render(h1, [], "Hello."),
+        "h1": h1,
+    }
+
+
+def _spec(model_dir: str, target: str, requests: list[dict], **extra) -> dict:
+    return {"model": model_dir, "sidecar": target, "gap_fill": True,
+            "extra": {"tenant": "team-a", "store": "sync", **extra}, "requests": requests}
+
+
+@pytest.fixture(scope="module")
+def engine_a(model_dir, sidecar_target, prompts):
+    reqs = [
+        {"prompt_token_ids": prompts["p1"], "max_tokens": MAX_TOKENS},
+        {"prompt_token_ids": prompts["x"], "max_tokens": MAX_TOKENS, "params": {"sidecar_tenant": "ref"}},
+        {"prompt_token_ids": prompts["z"], "max_tokens": MAX_TOKENS, "params": {"sidecar_tenant": "ref2"}},
+        {"prompt_token_ids": prompts["y"], "max_tokens": MAX_TOKENS},
+    ]
+    return run_engine(_spec(model_dir, sidecar_target, reqs))
+
+
+@pytest.fixture(scope="module")
+def engine_b(model_dir, sidecar_target, prompts, engine_a):
+    reqs = [
+        {"prompt_token_ids": prompts["p1"], "max_tokens": MAX_TOKENS},
+        {"prompt_token_ids": prompts["z"], "max_tokens": MAX_TOKENS},
+        {"prompt_token_ids": prompts["w"], "max_tokens": 4},
+        {"prompt_token_ids": prompts["x"], "max_tokens": MAX_TOKENS},
+        # 4..6: a session mirrored in the sidecar, edited by directives riding in kv_transfer_params
+        {"prompt_token_ids": prompts["p1"], "max_tokens": 1, "params": {"sidecar_session": "open"}},
+        {"prompt_token_ids": prompts["e1"], "max_tokens": 4,
+         "params": {"sidecar_session": "@4", "sidecar_session_version": "@4", "sidecar_directives": prompts["d1"]}},
+        {"prompt_token_ids": prompts["e2"], "max_tokens": 4,
+         "params": {"sidecar_session": "@5", "sidecar_session_version": "@5", "sidecar_directives": prompts["d2"]}},
+    ]
+    return run_engine(_spec(model_dir, sidecar_target, reqs), multiprocess=True)
+
+
+def _agree(a: list[int], b: list[int]) -> int:
+    """Leading tokens two greedy outputs share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def test_exact_prefix_reuse_across_restart(engine_a, engine_b, prompts):
+    """Engine A prefilled P1 and Stored it; a fresh engine B (new process, empty local cache)
+    claims it from the sidecar and produces the bit-identical greedy output."""
+    a, b = engine_a["results"][0], engine_b["results"][0]
+    assert a["sidecar"]["claimed_tokens"] == 0 and a["sidecar"]["store_chunks"] > 0
+    n = len(prompts["p1"])
+    claimed = b["sidecar"]["claimed_tokens"]
+    assert claimed >= (n - 1) // 32 * 32 - 32, b["sidecar"]  # all of it but the last partial block
+    assert b["token_ids"] == a["token_ids"]
+    assert b["ttft_s"] < a["ttft_s"]
+    assert engine_b["multiprocess"] is True
+
+
+def test_shifted_chunks_after_new_header_gap_fill(engine_a, engine_b, prompts):
+    """Z = a third agent's header before the body that Y Stored at other positions. vLLM's own
+    cache has nothing of Z; the gap-fill plug-in prefills the header (a sub-request), after which
+    the shifted body is contiguous and claimed. Fidelity: the sidecar's default admission
+    (position-independent, the k=4 recompute tokens served from the chunk when bridged) is an
+    approximation, so the answer is compared with vLLM's plain output on Z, not required equal:
+    we assert the first generated token agrees and report the shared length."""
+    ref = engine_a["results"][2]
+    z = engine_b["results"][1]
+    assert ref["sidecar"]["claimed_tokens"] == 0
+    info = z["sidecar"]
+    assert info["gap_fills"] >= 1, info
+    assert info["claimed_tokens"] >= 0.5 * len(prompts["z"]), info
+    print(f"\nZ: {len(prompts['z'])} tokens, planned {info['planned_tokens']}, claimed {info['claimed_tokens']}, "
+          f"local {info['local_tokens']}; answers share {_agree(z['token_ids'], ref['token_ids'])}/{MAX_TOKENS} tokens")
+    assert z["token_ids"][0] == ref["token_ids"][0]
+
+
+def test_shifted_continuation_after_local_prefix(engine_a, engine_b, prompts):
+    """X's header was warmed in B's own cache (W); the body after it was Stored by Y at other
+    positions: the claim runs from vLLM's local hit through shifted chunks without a gap."""
+    ref = engine_a["results"][1]
+    x = engine_b["results"][3]
+    info = x["sidecar"]
+    assert info["local_tokens"] > 0, info
+    assert info["claimed_tokens"] >= 0.5 * len(prompts["x"]), info
+    print(f"\nX: {len(prompts['x'])} tokens, local {info['local_tokens']}, claimed {info['claimed_tokens']}; "
+          f"answers share {_agree(x['token_ids'], ref['token_ids'])}/{MAX_TOKENS} tokens")
+    assert x["token_ids"][0] == ref["token_ids"][0]
+
+
+def test_sidecar_down_requests_still_served(model_dir, engine_a, prompts):
+    """The connector pointed at a closed port: the request completes by prefill with vLLM's
+    plain output, the failure is counted (and logged once), nothing raises."""
+    out = run_engine(_spec(model_dir, closed_port(), [
+        {"prompt_token_ids": prompts["p1"], "max_tokens": MAX_TOKENS},
+        {"prompt_token_ids": prompts["w"], "max_tokens": 4},
+    ], timeout_s=1.0))
+    r = out["results"][0]
+    assert r["token_ids"] == engine_a["results"][0]["token_ids"]
+    assert r["sidecar"]["claimed_tokens"] == 0 and r["sidecar"]["plan_ok"] is False
+    sched = out["scheduler_stats"]
+    assert sched.get("error:lookup", 0) >= 1, sched
+    assert out["log"].count("prefilling, retrying") == 1  # logged once per outage, not per request
+
+
+def test_directives_become_splice_calls(engine_b, prompts):
+    """kv_transfer_params carry a session and span directives: the connector opens the session,
+    Splices + Commits each edit (the sidecar's mirror follows the conversation), reuses the kept
+    content of an ``amortize`` edit through Lookup + gap-fill, and serves nothing at or after a
+    ``forget`` edit from any cache."""
+    opened, am, fg = engine_b["results"][4:7]
+    s0 = opened["sidecar"]["session"]
+    assert s0["id"] and s0["version"] == 0 and s0["length"] == len(prompts["p1"])
+    s1 = am["sidecar"]["session"]
+    assert s1["id"] == s0["id"] and s1["version"] == 1 and s1["length"] == len(prompts["e1"]), s1
+    assert s1["plan_tokens_kept"] > 0.8 * len(prompts["p1"]), s1
+    info = am["sidecar"]
+    assert info["reused_tokens"] > 0.8 * len(prompts["e1"]), info  # prefix (local) + kept content after the edit
+    s2 = fg["sidecar"]["session"]
+    assert s2["version"] == 2 and s2["forget_from"] == prompts["forget_at"], s2
+    info = fg["sidecar"]
+    assert info["local_tokens"] + info["claimed_tokens"] <= prompts["forget_at"], info
+    assert info["gap_fills"] == 0, info
+
+
+def test_claim_rules():
+    """What the connector claims from a plan (pure, no engine): contiguous with vLLM's hit,
+    recompute gaps bridged, block-aligned, at most n - 1, nothing at or after a forget edit."""
+    from sidecar.registry.plan import Fidelity, LookupPlan, SegmentKind
+
+    from clients.vllm.claim import claim, store_chunks
+
+    def plan(rows, bounds=()):
+        import numpy as np
+
+        flat = []
+        for k, s, e, h, o, p, f in rows:
+            flat += [int(k), s, e, h, o, p, int(f)]
+        return LookupPlan.from_flat(flat, chunk_bounds=np.asarray(bounds, dtype=np.uint32))
+
+    H, P, E = SegmentKind.CHUNK_HIT, SegmentKind.PREFILL, SegmentKind.ENGINE_PREFIX
+    X, A, N = Fidelity.EXACT, Fidelity.APPROXIMATE, Fidelity.NONE
+    # engine prefix 64, exact hit to 200, recompute gap [200, 204) then a shifted chunk to 400, a real gap, a hit
+    p = plan([(E, 0, 64, 0, 0, 0, N), (H, 64, 200, 11, 64, 0, X), (P, 200, 204, 0, 0, 0, N),
+              (H, 204, 400, 22, 4, 150, A), (P, 400, 500, 0, 0, 0, N), (H, 500, 700, 33, 0, 300, A)],
+             bounds=(0, 200, 400, 500, 700))
+    c = claim(p, local=64, n=700, block_size=32)
+    assert (c.local, c.end, c.bridged) == (64, 384, 4)
+    assert [(i.chunk_hash, i.row, i.start, i.end) for i in c.items] == [(11, 64, 64, 200), (22, 0, 200, 384)]
+    assert c.items[1].target_pos == 200 and (c.gap_start, c.gap_end) == (400, 500)
+    c = claim(p, local=64, n=700, block_size=32, bridge_recompute=False)
+    assert c.end == 192 and c.bridged == 0
+    c = claim(p, local=64, n=700, block_size=32, limit=300)
+    assert c.end == 288 and c.gap_end == 700
+    assert claim(p, local=0, n=700, block_size=32).tokens == 0  # a plan ENGINE_PREFIX vLLM does not hold
+    assert claim(p, local=416, n=700, block_size=32).tokens == 0  # inside a gap
+    tail = plan([(E, 0, 64, 0, 0, 0, N), (H, 64, 130, 5, 0, 64, X)], bounds=(64, 130))
+    assert claim(tail, local=64, n=130, block_size=32).end == 128  # n - 1 = 129, cut to the block
+    # Store: not the chunks with loaded shifted rows, not the chunks the sidecar serves whole
+    c = claim(p, local=64, n=700, block_size=32)
+    assert store_chunks(p, c, n=700) == [(400, 500)]  # the gap vLLM computes
+    q = plan([(P, 0, 300, 0, 0, 0, N), (H, 300, 400, 7, 0, 100, A)], bounds=(0, 100, 300, 400))
+    assert store_chunks(q, None, n=400) == [(0, 100), (100, 300)]
+    assert store_chunks(q, None, n=400, skip_tail=True) == [(0, 100), (100, 300)]
