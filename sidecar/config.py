@@ -23,10 +23,15 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
+from sidecar.auth.limits import LimitsConfig
+from sidecar.auth.tls import TlsConfig
+from sidecar.auth.tokens import parse_entry
 from sidecar.directives import SessionConfig
+from sidecar.manifests.config import ManifestsConfig
 from sidecar.registry.chunker import ChunkerConfig
 from sidecar.registry.plan import AdmissionPolicy
 from sidecar.registry.registry import RegistryConfig
+from sidecar.registry.shared_keys import SharedRegistryConfig
 from sidecar.tiers import StoreConfig
 
 ENV_PREFIX = "KV_SIDECAR_"
@@ -43,9 +48,12 @@ LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 class AuthConfig:
     """Bearer tokens mapped to the tenants they may act as.
 
-    ``tokens: {"s3cret": ["team-a", "team-b"]}``. With no tokens configured, requests are not
-    authenticated, ``x-tenant-id`` is taken as given, and the server binds to loopback only.
-    ``shared_writers`` may store into the ``shared`` scope (operator-granted).
+    ``tokens: {"sha256:<hex>": ["team-a", "team-b"]}``: keys are SHA-256 digests of the tokens
+    (``kv-sidecar auth hash-token``) or, with a warning at startup, the tokens in clear
+    (``sidecar.auth.tokens``). With no tokens configured, requests are not authenticated,
+    ``x-tenant-id`` is taken as given, and the server binds to loopback only (unless client
+    certificates name the tenant, ``tls.tenant_from_cert``). ``shared_writers`` may store into
+    the ``shared`` scope (operator-granted).
     """
 
     tokens: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -54,6 +62,10 @@ class AuthConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", {str(k): tuple(v) for k, v in dict(self.tokens).items()})
         object.__setattr__(self, "shared_writers", tuple(self.shared_writers))
+        for entry, tenants in self.tokens.items():
+            parse_entry(entry)  # ValueError naming a malformed sha256: entry
+            if not tenants or not all(isinstance(t, str) and t for t in tenants):
+                raise ValueError("auth.tokens: every token must map to a non-empty list of tenant ids")
 
     @property
     def enabled(self) -> bool:
@@ -139,7 +151,11 @@ class SidecarConfig:
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     directives: DirectivesConfig = field(default_factory=DirectivesConfig)
+    shared_registry: SharedRegistryConfig = field(default_factory=SharedRegistryConfig)
+    manifests: ManifestsConfig = field(default_factory=ManifestsConfig)
     max_fetch_items: int = 4096
     fetch_part_bytes: int = 4 << 20
 
@@ -159,11 +175,17 @@ class SidecarConfig:
             )
         if not 0 <= self.default_recompute_tokens <= self.chunker.max_size:
             raise ValueError(f"default_recompute_tokens must be in [0, chunker.max_size={self.chunker.max_size}]")
+        self.limits.check(store=self.store, forget_tenants=self.directives.forget_tenants)
+
+    @property
+    def authenticated(self) -> bool:
+        """Calls are authenticated: bearer tokens, or client certificates that name the tenant."""
+        return self.auth.enabled or self.tls.authenticates
 
     @property
     def bind_host(self) -> str:
         """Where the gRPC port binds: loopback only unless authentication is configured."""
-        if not self.auth.enabled and self.host not in LOOPBACK_HOSTS:
+        if not self.authenticated and self.host not in LOOPBACK_HOSTS:
             return "127.0.0.1"
         return self.host
 

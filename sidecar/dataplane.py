@@ -150,6 +150,8 @@ class DataPlane:
         self.index = index
         self.store = TieredStore(config)
         self.counters = DataPlaneCounters()
+        #: Store also copies each chunk to the remote tier, for peers (shared registry).
+        self.publish_remote = False
 
     # ------------------------------------------------------------------ consistency
 
@@ -234,13 +236,17 @@ class DataPlane:
         stored: list[bytes] = []
         tiers: dict[int, str] = {}
         held: dict[int, ChunkEntry] = {}  # chunks the tiers already held: their copy stays canonical
+        shared_copies: set[int] = set()  # keys whose bytes the shared remote tier holds
         try:
             for start in sorted(payloads):
                 e = entries[start]
                 result = await asyncio.to_thread(
                     self.store.put, chunk_key(e.key), payloads[start], layout=layout, num_tokens=e.num_tokens,
                     tenant=tenant, scope=scope, source_position=e.source_pos, aux=encode_aux(e),
+                    publish=self.publish_remote,
                 )
+                if result.published:
+                    shared_copies.add(e.key)
                 if result.stored:
                     stored.append(result.key)
                 else:
@@ -251,7 +257,7 @@ class DataPlane:
                 tiers[start] = result.tier.value
         except QuotaExceededError as exc:
             await self._rollback(stored)
-            raise ResourceExhausted(f"quota: {exc}") from exc
+            raise ResourceExhausted(f"limits.max_bytes (tenant quota): {exc}") from exc
         except CapacityError as exc:
             await self._rollback(stored)
             raise ResourceExhausted(f"capacity: {exc}") from exc
@@ -261,6 +267,7 @@ class DataPlane:
         # Register on the loop thread: visible to the very next Lookup.
         reg = index.registry
         registered = refreshed = 0
+        new: list[ChunkEntry] = []
         for start, e in entries.items():
             old = reg.peek(e.key)
             if start in tiers:
@@ -283,9 +290,13 @@ class DataPlane:
                     old.tier = tiers[start]
             if reg.insert(e):
                 registered += 1
+                new.append(e)
             else:
                 refreshed += 1
+        index.announce(identity, new)
         self.sync()
+        if index.publisher is not None:
+            index.publisher.publish([reg.peek(e.key) for e in entries.values()], shared_copies)
         nbytes = sum(len(payloads[s]) for s in tiers)
         self.counters.stored_chunks += len(tiers)
         self.counters.stored_bytes += nbytes
@@ -331,8 +342,14 @@ class DataPlane:
         fetched = await asyncio.to_thread(self.store.get_many, [chunk_key(e.key) for _, e in wanted]) if wanted else []
         for (i, e), got in zip(wanted, fetched):
             r = results[i]
-            if got is None or got.meta.num_tokens != e.num_tokens or got.meta.layout_fingerprint != layout.fingerprint():
+            # got.meta.scope: the bytes must have been stored under the entry's scope (a 64-bit key
+            # collision across scopes must not serve one tenant's KV to another).
+            if got is None or got.meta.num_tokens != e.num_tokens or got.meta.layout_fingerprint != layout.fingerprint() \
+                    or got.meta.scope != e.scope:
                 r.entry = None
+                if got is None and e.tier == Tier.REMOTE.value and not self.store.contains(chunk_key(e.key)):
+                    # A peer's chunk (shared registry) whose remote copy is gone: stop planning it.
+                    e.state, e.tier = EntryState.OBSERVED, None
                 continue
             r.payload = got.payload
             r.tier = got.tier.value
@@ -462,7 +479,7 @@ class DataPlane:
         for h, e, got in zip(hashes, entries, fetched):
             if e is not None and got is not None and got.meta.num_tokens == e.num_tokens and (
                 got.meta.layout_fingerprint == layout.fingerprint()
-            ):
+            ) and got.meta.scope == e.scope:
                 chunks[h] = (e, got.payload, got.tier.value)
         self.sync()
         for i, h in enumerate(runs.chunk_hash.tolist()):
@@ -499,9 +516,12 @@ class DataPlane:
     async def delete(self, hashes: Sequence[int]) -> int:
         reg = self.index.registry
         n = 0
+        gone = [(h, e.scope) for h in hashes if (e := reg.peek(h)) is not None]
         for h in hashes:
             if reg.delete(h):
                 n += 1
+        if gone and self.index.publisher is not None:
+            self.index.publisher.unpublish(gone)
         await asyncio.to_thread(self.store.delete, [chunk_key(h) for h in hashes])
         reg.take_events()
         self.sync()

@@ -9,6 +9,7 @@ incremented by the servicer after each call.
 name                                            meaning
 =============================================== =========================================
 kv_sidecar_requests_total{method,code}          RPCs by method and final status
+kv_sidecar_inflight_requests{method}            RPCs in flight (each holds a tenant stream slot)
 kv_sidecar_lookups_total{policy,dry_run}        Lookups served
 kv_sidecar_lookup_tokens_total{kind,dry_run}    prompt tokens by kind: prefix | exact |
                                                 shifted | prefill
@@ -35,6 +36,15 @@ kv_sidecar_splice_tokens_total{kind}            tokens of committed plans: prefi
                                                 moved | rotated | refreshed
 kv_sidecar_splice_seconds                       server-side Splice latency: decode, plan,
                                                 invariant check, encode (histogram)
+kv_sidecar_manifest_entries_total{outcome}      manifest entries imported: prefetched |
+                                                planned | present | malformed | refused
+kv_sidecar_manifest_lines_written / _rotations  producer lines appended, file rotations
+kv_sidecar_shared_registry_up                   1 while the shared (Redis) registry answers
+kv_sidecar_shared_registry_errors_total{op}     Redis failures: read | publish | connect
+kv_sidecar_shared_registry_reads_total          Lookups that made their one Redis round trip
+kv_sidecar_shared_registry_found_total          peer chunks brought into the local registry
+kv_sidecar_shared_registry_published_total      records written; _dropped_total: queue overflow
+kv_sidecar_shared_registry_pending              records waiting to be published (gauge)
 kv_sidecar_cache_invariant_violations_total     broken invariants: alert on any non-zero
 kv_sidecar_build_info{version}                  1
 =============================================== =========================================
@@ -52,6 +62,7 @@ if TYPE_CHECKING:
     from sidecar.dataplane import DataPlane
     from sidecar.directives import SessionTable
     from sidecar.registry.registry import InMemoryRegistry
+    from sidecar.registry.shared import SharedRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +122,27 @@ class _DataPlaneCollector:
         yield CounterMetricFamily("kv_sidecar_fetch_misses", "Fetch items that missed", value=c.fetch_misses)
 
 
+class _SharedRegistryCollector:
+    def __init__(self, shared: "SharedRegistry") -> None:
+        self._shared = shared
+
+    def collect(self):
+        sr = self._shared
+        st = sr.stats
+        p = "kv_sidecar_shared_registry"
+        yield GaugeMetricFamily(f"{p}_up", "1 while the shared registry's Redis answers", value=int(st.up))
+        err = CounterMetricFamily(f"{p}_errors", "Shared registry Redis failures by operation", labels=["op"])
+        for op, n in st.errors.items():
+            err.add_metric([op], n)
+        yield err
+        yield CounterMetricFamily(f"{p}_reads", "Lookups that made one Redis round trip", value=st.reads)
+        yield CounterMetricFamily(f"{p}_reads_skipped", "Lookups that skipped Redis while down", value=st.reads_skipped)
+        yield CounterMetricFamily(f"{p}_found", "Peer chunks brought into the local registry", value=st.read_found)
+        yield CounterMetricFamily(f"{p}_published", "Registry records written to Redis", value=st.published)
+        yield CounterMetricFamily(f"{p}_dropped", "Queued records dropped past max_pending", value=st.dropped)
+        yield GaugeMetricFamily(f"{p}_pending", "Records waiting to be published", value=sr.pending)
+
+
 class _SessionCollector:
     def __init__(self, table: "SessionTable") -> None:
         self._table = table
@@ -144,6 +176,10 @@ class Metrics:
         self.splice_seconds = Histogram(
             "kv_sidecar_splice_seconds", "Server-side Splice latency", buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.manifest_entries = Counter(
+            "kv_sidecar_manifest_entries", "Manifest entries imported, by outcome", ["outcome"], registry=r
+        )
+        self.inflight = Gauge("kv_sidecar_inflight_requests", "RPCs in flight, by method", ["method"], registry=r)
         self.invariant_violations = Counter(
             "kv_sidecar_cache_invariant_violations", "Broken cache invariants (alert on any)", registry=r
         )
@@ -156,6 +192,9 @@ class Metrics:
 
     def watch_dataplane(self, dataplane: "DataPlane") -> None:
         self.registry.register(_DataPlaneCollector(dataplane))
+
+    def watch_shared_registry(self, shared: "SharedRegistry") -> None:
+        self.registry.register(_SharedRegistryCollector(shared))
 
     def watch_sessions(self, table: "SessionTable") -> None:
         self.registry.register(_SessionCollector(table))

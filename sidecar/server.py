@@ -19,8 +19,10 @@ background task expires idle sessions and pending Splice plans (``directives.swe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -37,13 +39,20 @@ from sidecar.dataplane import DataPlane
 from sidecar.directives import SessionTable
 from sidecar.errors import InvalidArgument, InvariantViolation, status_for
 from sidecar.identity import SHARED_SCOPE
+from sidecar.manifest_service import ManifestService
+from sidecar.manifests import Outcome
 from sidecar.metrics import Metrics
 from sidecar.registry.chunker import warmup
 from sidecar.registry.index import ChunkIndex, LookupQuery
 from sidecar.registry.plan import AdmissionPolicy
 from sidecar.registry.registry import InMemoryRegistry
+from sidecar.registry.shared import SharedRegistry
 from sidecar.splice_service import SpliceService
+from sidecar.auth.limits import TenantLimiter
+from sidecar.auth.tls import server_credentials
+from sidecar.config import LOOPBACK_HOSTS
 from sidecar.tenancy import Tenancy
+from sidecar.tiers import RemoteEndpoint
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 from sidecar.wire import (
@@ -67,13 +76,16 @@ from sidecar.wire_directives import plan_to_wire as op_plan_to_wire
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVSidecar"].full_name
+#: Health name of the shared (Redis) registry: NOT_SERVING while Redis does not answer (the
+#: sidecar still serves from its local registry; docs/operations.md, "Shared registry").
+REGISTRY_HEALTH_NAME = f"{SERVICE_NAME}.registry"
 TIER_NAMES = frozenset(("gpu", "cpu", "disk", "remote"))
 _PING = pb.PingResponse()
 _CLOSED = pb.CloseSessionResponse()
 _METHODS = (
     "Lookup", "Store", "Fetch", "Evict", "Delete", "Stats", "Ping",
     "OpenSession", "AppendSession", "GetSession", "CloseSession", "Splice", "CommitSplice", "AbortSplice",
-    "FetchSession",
+    "FetchSession", "ImportManifest", "GetWarmUpPlan", "ExportManifest",
 )
 #: Streaming methods whose responses are pre-serialized frames (``fetch_frames``).
 _FRAMED = frozenset(("Fetch", "FetchSession"))
@@ -144,19 +156,50 @@ def fetch_frames(
 
 
 def _rpc(method: str) -> Callable:
-    """Map exceptions to statuses (one place) and count every call by method and code."""
+    """Map exceptions to statuses (one place) and count every call by method and code. The
+    call holds one of its tenant's stream slots (``limits.max_concurrent_streams``) while the
+    handler runs, released on every path (error, cancellation) by the ``finally``."""
 
     def deco(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         @functools.wraps(fn)
         async def wrapper(self: "KVSidecarServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                result = await fn(self, request, context)
+                tenant = self._enter(method, context)
+                try:
+                    result = await fn(self, request, context)
+                finally:
+                    self._leave(method, tenant)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - every error leaves through _abort
                 await self._abort(method, exc, context)
             self._ok[method].inc()
             return result
+
+        return wrapper
+
+    return deco
+
+
+def _streaming(method: str) -> Callable:
+    """``_rpc``'s stream slot for server-streaming handlers (async generators that map their
+    own errors): taken before the first message, released when the generator ends, fails, or
+    is closed because the client cancelled."""
+
+    def deco(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+        @functools.wraps(fn)
+        async def wrapper(self: "KVSidecarServicer", request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                tenant = self._enter(method, context)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - every error leaves through _abort
+                await self._abort(method, exc, context)
+            try:
+                async for msg in fn(self, request, context):
+                    yield msg
+            finally:
+                self._leave(method, tenant)
 
         return wrapper
 
@@ -172,12 +215,31 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
         self.dataplane = dataplane
         self.metrics = metrics
         self.sessions = sessions
-        self.tenancy = Tenancy(config.auth, config.default_tenant)
+        self.shared: SharedRegistry | None = None  # set by SidecarServer when configured
+        self.tenancy = Tenancy(config.auth, config.default_tenant, config.tls)
+        self.limits = TenantLimiter(
+            config.limits,
+            # directives.max_sessions_per_tenant, or an injected table's own (smaller) limit
+            default_sessions=min(config.directives.max_sessions_per_tenant, sessions.table.config.max_sessions_per_tenant),
+            forget_tenants=config.directives.forget_tenants,
+        )
+        self._inflight = {m: metrics.inflight.labels(m) for m in _METHODS}
         self.identities = IdentityCache()
         self.started = time.time()
         self._ok = {m: metrics.requests.labels(m, "OK") for m in _METHODS}
         self._lookup_counters = {}
         self.totals = {"lookups": 0, "lookup_tokens": 0, "prefix": 0, "exact": 0, "shifted": 0, "prefill": 0}
+
+    def _enter(self, method: str, context: grpc.aio.ServicerContext) -> str:
+        """Resolve the call's tenant and take one of its stream slots (refused past the limit)."""
+        tenant = self.tenancy.resolve(context)
+        self.limits.acquire(tenant)
+        self._inflight[method].inc()
+        return tenant
+
+    def _leave(self, method: str, tenant: str) -> None:
+        self._inflight[method].dec()
+        self.limits.release(tenant)
 
     async def _abort(self, method: str, exc: Exception, context: grpc.aio.ServicerContext) -> None:
         """End the call with the status ``status_for`` maps ``exc`` to; count it (and any broken
@@ -195,9 +257,11 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
     @_rpc("Lookup")
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupPlan:
         t0 = time.perf_counter()
-        tenant = self.tenancy.resolve(context.invocation_metadata())
+        tenant = self.tenancy.resolve(context)
         query = self._lookup_query(request, tenant)
-        plan = self.index.lookup(query)
+        shared = self.shared
+        chunks = await shared.fill(self.index, query) if shared is not None else None
+        plan = self.index.lookup(query, chunks)
         msg = plan_to_wire(plan)
         self._count_lookup(query, plan.summary)
         self.metrics.lookup_seconds.observe(time.perf_counter() - t0)
@@ -206,6 +270,7 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
     def _lookup_query(self, request: pb.LookupRequest, tenant: str) -> LookupQuery:
         cfg = self.config
         tokens = tokens_from_wire(request.tokens, "tokens", cfg.max_prompt_tokens)
+        self.limits.check_tokens(tenant, len(tokens))
         identity = self.identities.get(request.identity, request.HasField("identity"))
         policy = policy_from_wire(request.policy, cfg.default_policy)
         n = len(tokens)
@@ -272,7 +337,7 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
     async def Store(
         self, request_iterator: AsyncIterator[pb.StoreRequest], context: grpc.aio.ServicerContext
     ) -> pb.StoreResponse:
-        tenant = self.tenancy.resolve(context.invocation_metadata())
+        tenant = self.tenancy.resolve(context)
         header = None
         payloads: dict[int, bytearray] = {}
         complete: set[int] = set()
@@ -284,6 +349,7 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
                 if header is not None:
                     raise InvalidArgument("header: sent more than once in one Store stream")
                 header = msg.header
+                self.limits.check_tokens(tenant, len(header.tokens) // 4)  # before reading any payload
             elif which == "payload":
                 if header is None:
                     raise InvalidArgument("header: the first Store message must carry the header")
@@ -350,10 +416,11 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
 
     # ------------------------------------------------------------------------------- Fetch
 
+    @_streaming("Fetch")
     async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchResponse]:
         t0 = time.perf_counter()
         try:
-            tenant = self.tenancy.resolve(context.invocation_metadata())
+            tenant = self.tenancy.resolve(context)
             identity = self.identities.get(request.identity, request.HasField("identity"))
             if not request.HasField("layout"):
                 raise InvalidArgument("layout: required")
@@ -391,7 +458,7 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
 
     @_rpc("Evict")
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.EvictResponse:
-        tenant = self.tenancy.resolve(context.invocation_metadata())
+        tenant = self.tenancy.resolve(context)
         if request.tier and request.tier not in TIER_NAMES:
             raise InvalidArgument(f"tier: unknown tier {request.tier!r} (one of {sorted(TIER_NAMES)})")
         keys = self.dataplane.owned_keys(tenant, request.chunk_hashes, self.tenancy.may_write_shared(tenant))
@@ -399,7 +466,7 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
 
     @_rpc("Delete")
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
-        tenant = self.tenancy.resolve(context.invocation_metadata())
+        tenant = self.tenancy.resolve(context)
         keys = self.dataplane.owned_keys(tenant, request.chunk_hashes, self.tenancy.may_write_shared(tenant))
         return pb.DeleteResponse(deleted=await self.dataplane.delete(keys))
 
@@ -407,7 +474,7 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
 
     @_rpc("Stats")
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        self.tenancy.resolve(context.invocation_metadata())
+        self.tenancy.resolve(context)
         reg = self.index.registry
         st = reg.snapshot_stats()
         store_stats = await asyncio.to_thread(self.dataplane.store.stats)
@@ -445,7 +512,7 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
 
     @_rpc("OpenSession")
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
-        tenant = self.tenancy.resolve(context.invocation_metadata())
+        tenant = self.tenancy.resolve(context)
         identity = None
         if request.HasField("identity"):
             identity = self.identities.get(request.identity, True)  # validated; used by held sessions only
@@ -459,17 +526,21 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
         elif identity is not None:
             identity = None  # not held: planning does not use it
         tokens = session_tokens_from_wire(request.tokens)
+        self.limits.check_tokens(tenant, len(tokens))
+        self.limits.check_sessions(tenant, self.sessions.table)
         return session_to_wire(self.sessions.open(tenant, tokens, request.block_size, identity))
 
     @_rpc("AppendSession")
     async def AppendSession(self, request: pb.AppendSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
-        tenant = self.tenancy.resolve(context.invocation_metadata())
+        tenant = self.tenancy.resolve(context)
         sid = session_id_from_wire(request.session_id)
-        return session_to_wire(self.sessions.append(tenant, sid, session_tokens_from_wire(request.tokens)))
+        tokens = session_tokens_from_wire(request.tokens)
+        self.limits.check_tokens(tenant, len(tokens))
+        return session_to_wire(self.sessions.append(tenant, sid, tokens))
 
     @_rpc("GetSession")
     async def GetSession(self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
-        tenant = self.tenancy.resolve(context.invocation_metadata())
+        tenant = self.tenancy.resolve(context)
         info, pending = self.sessions.get(tenant, session_id_from_wire(request.session_id))
         return session_to_wire(info, pending)
 
@@ -477,16 +548,16 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionResponse:
-        tenant = self.tenancy.resolve(context.invocation_metadata())
+        tenant = self.tenancy.resolve(context)
         self.sessions.close(tenant, session_id_from_wire(request.session_id))
         return _CLOSED
 
     @_rpc("Splice")
     async def Splice(self, request: pb.SpliceRequest, context: grpc.aio.ServicerContext) -> pb.OpPlan:
         t0 = time.perf_counter()
-        tenant = self.tenancy.resolve(context.invocation_metadata())
+        tenant = self.tenancy.resolve(context)
         sessions = self.sessions
-        forget = sessions.forces_forget(tenant)
+        forget = self.limits.forget_by_default(tenant)  # limits.forget_by_default, directives.forget_tenants
         try:
             sid = session_id_from_wire(request.session_id)
             directives = directives_from_wire(
@@ -502,19 +573,20 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
 
     @_rpc("CommitSplice")
     async def CommitSplice(self, request: pb.CommitSpliceRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
-        tenant = self.tenancy.resolve(context.invocation_metadata())
+        tenant = self.tenancy.resolve(context)
         return session_to_wire(self.sessions.commit(tenant, plan_id_from_wire(request.plan_id)))
 
     @_rpc("AbortSplice")
     async def AbortSplice(self, request: pb.AbortSpliceRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
-        tenant = self.tenancy.resolve(context.invocation_metadata())
+        tenant = self.tenancy.resolve(context)
         return session_to_wire(self.sessions.abort(tenant, plan_id_from_wire(request.plan_id)))
 
+    @_streaming("FetchSession")
     async def FetchSession(
         self, request: pb.FetchSessionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.FetchSessionResponse]:
         try:
-            tenant = self.tenancy.resolve(context.invocation_metadata())
+            tenant = self.tenancy.resolve(context)
             sid = session_id_from_wire(request.session_id)
             if not request.HasField("layout"):
                 raise InvalidArgument("layout: required")
@@ -542,6 +614,51 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
         self.metrics.fetch_bytes.inc(nbytes)
         self._ok["FetchSession"].inc()
 
+    # ---------------------------------------------------------------------------- manifests
+
+    @_rpc("ImportManifest")
+    async def ImportManifest(
+        self, request: pb.ImportManifestRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ImportManifestResponse:
+        tenant = self.tenancy.resolve(context)
+        svc = self.manifests
+        res = await svc.import_lines(tenant, request.lines, shared=request.shared, prefetch=not request.no_prefetch)
+        o = res.outcomes
+        return pb.ImportManifestResponse(
+            lines=res.lines, prefetched=o[Outcome.PREFETCHED], planned=o[Outcome.PLANNED], present=o[Outcome.PRESENT],
+            malformed=o[Outcome.MALFORMED], refused=o[Outcome.REFUSED],
+            warmup_pending=svc.pending(tenant, request.shared),
+        )
+
+    @_rpc("GetWarmUpPlan")
+    async def GetWarmUpPlan(self, request: pb.WarmUpPlanRequest, context: grpc.aio.ServicerContext) -> pb.WarmUpPlan:
+        tenant = self.tenancy.resolve(context)
+        if not request.HasField("identity"):
+            raise InvalidArgument("identity: required (the plan holds the chunks of one identity)")
+        identity = self.identities.get(request.identity, True)
+        seqs, pending = self.manifests.warm_up_plan(
+            tenant, identity, shared=request.shared, max_sequences=request.max_sequences
+        )
+        return pb.WarmUpPlan(sequences=seqs, tokens=sum(len(q) for q in seqs) // 4, pending_chunks=pending)
+
+    @_streaming("ExportManifest")
+    async def ExportManifest(
+        self, request: pb.ExportManifestRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ExportManifestResponse]:
+        try:
+            tenant = self.tenancy.resolve(context)
+            if not request.HasField("identity"):
+                raise InvalidArgument("identity: required (chunk keys are salted with it)")
+            identity = self.identities.get(request.identity, True)
+            batches = list(self.manifests.export(tenant, identity, include_shared=request.include_shared))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every error leaves through _abort
+            await self._abort("ExportManifest", exc, context)
+        for lines in batches:
+            yield pb.ExportManifestResponse(lines=lines)
+        self._ok["ExportManifest"].inc()
+
 
 class SidecarServer:
     """A started sidecar: gRPC server, health, metrics endpoint. Stop with ``await stop()``.
@@ -554,14 +671,26 @@ class SidecarServer:
         self.config = config
         self.metrics = Metrics(__version__)
         self.index = ChunkIndex(config.chunker, InMemoryRegistry(config.registry))
-        self.dataplane = DataPlane(self.index, config.store)
+        self.dataplane = DataPlane(self.index, config.limits.store_config(config.store))  # limits.max_bytes*
         self.metrics.watch_registry(self.index.registry)
         self.metrics.watch_dataplane(self.dataplane)
+        self.shared_registry = self._shared_registry(config)
+        # The table's own per-tenant cap is the largest any tenant may have; the servicer enforces
+        # each tenant's limits.max_sessions before the table is asked.
+        directives = dataclasses.replace(
+            config.directives,
+            max_sessions_per_tenant=config.limits.session_ceiling(config.directives.max_sessions_per_tenant),
+        )
         self.sessions = SpliceService(
-            config.directives, self.metrics, table=session_table, resolver=self.dataplane.resolve_held
+            directives, self.metrics, table=session_table, resolver=self.dataplane.resolve_held
         )
         self.metrics.watch_sessions(self.sessions.table)
         self.servicer = KVSidecarServicer(config, self.index, self.dataplane, self.metrics, self.sessions)
+        self.servicer.shared = self.shared_registry
+        self.manifests = ManifestService(
+            config.manifests, self.index, self.dataplane, self.servicer.tenancy, self.metrics, config.max_prompt_tokens
+        )
+        self.servicer.manifests = self.manifests
         opts = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -585,20 +714,79 @@ class SidecarServer:
         host = cfg.bind_host
         if host != cfg.host:
             logger.warning("no authentication configured: binding %s instead of %s (loopback only)", host, cfg.host)
-        elif not cfg.auth.enabled:
+        elif not cfg.authenticated:
             logger.info("no authentication configured: serving on loopback only")
-        self.port = self.grpc.add_insecure_port(f"{host}:{cfg.port}")
+        for warning in self.servicer.tenancy.startup_warnings():
+            logger.warning("%s", warning)
+        if cfg.tls.enabled:
+            self.port = self.grpc.add_secure_port(f"{host}:{cfg.port}", server_credentials(cfg.tls))
+        else:
+            if cfg.authenticated and host not in LOOPBACK_HOSTS:
+                if not cfg.tls.allow_insecure:
+                    raise ValueError(
+                        f"tls: refusing to serve authenticated calls on {host} without TLS (bearer tokens would "
+                        "cross the network in clear): set tls.cert_file and tls.key_file, or tls.allow_insecure: "
+                        "true on a private network"
+                    )
+                logger.warning(
+                    "INSECURE: serving bearer-token calls on %s:%d WITHOUT TLS (tls.allow_insecure is set): "
+                    "anyone on this network can read the tokens", host, cfg.port,
+                )
+            self.port = self.grpc.add_insecure_port(f"{host}:{cfg.port}")
         if self.port == 0:
             raise OSError(f"could not bind gRPC port {host}:{cfg.port}")
         warmup(cfg.chunker)
         self.dataplane.recover()  # logs what it rebuilt
+        await self.manifests.import_startup()  # warm start before the first request (logs what it did)
         await self.grpc.start()
         self._sweeper = asyncio.get_running_loop().create_task(self.sessions.run_sweeper(), name="session-expiry")
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        if self.shared_registry is not None:
+            await self._start_shared_registry()
         if cfg.metrics_port >= 0:
             self.metrics_port = self.metrics.serve_http(cfg.metrics_host, cfg.metrics_port)
         logger.info("kv-sidecar %s serving %s on %s:%d", __version__, SERVICE_NAME, host, self.port)
         return self.port
+
+    def _shared_registry(self, config: SidecarConfig) -> SharedRegistry | None:
+        """The shared (Redis) registry in front of which the local one is a near cache, or None."""
+        sr = config.shared_registry
+        if not sr.enabled:
+            return None
+        store = config.store
+        shared_tier = ""
+        if store.remote_url and store.remote_bytes > 0:
+            ep = RemoteEndpoint.parse(store.remote_url)
+            shared_tier = f"{ep.host}:{ep.port}/{store.namespace}"
+        shared = SharedRegistry(sr, sidecar_id=sr.sidecar_id, shared_tier=shared_tier)
+        self.index.publisher = shared
+        self.dataplane.publish_remote = sr.publish_payloads and bool(shared_tier)
+        self.metrics.watch_shared_registry(shared)
+        return shared
+
+    async def _start_shared_registry(self) -> None:
+        shared = self.shared_registry
+        assert shared is not None
+        if not shared.sidecar_id:
+            shared.sidecar_id = f"{socket.gethostname()}:{self.port}"
+        loop = asyncio.get_running_loop()
+
+        def on_health(up: bool) -> None:  # any thread
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(lambda: loop.create_task(self._set_registry_health(up)))
+
+        up = await asyncio.to_thread(shared.start, on_health)
+        await self._set_registry_health(up)
+        logger.info("shared registry %s (sidecar id %s, shared tier %s)", "up" if up else "DOWN: degraded",
+                    shared.sidecar_id, shared.shared_tier or "none")
+
+    async def _set_registry_health(self, up: bool) -> None:
+        if self._stopped and up:
+            return
+        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+        result = self.health.set(REGISTRY_HEALTH_NAME, status)
+        if asyncio.iscoroutine(result):
+            await result
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -616,6 +804,10 @@ class SidecarServer:
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
+        await asyncio.to_thread(self.manifests.close)  # writes what the producer still buffers
+        if self.shared_registry is not None:
+            await self._set_registry_health(False)
+            await asyncio.to_thread(self.shared_registry.close, self.config.shared_registry.timeout_s * 10)
         await asyncio.to_thread(self.dataplane.close)
         self.metrics.close()
         logger.info("kv-sidecar stopped")

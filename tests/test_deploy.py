@@ -275,6 +275,7 @@ def test_sidecar_config_matches_compose(compose: dict[str, Any], deploy_config: 
     redis_cmd = service(compose, "redis")["command"]
     assert remote.host == "redis" and remote.port == int(option(redis_cmd, "--port"))
     assert option(redis_cmd, "--maxmemory-policy") == "noeviction"
+    assert cfg.shared_registry.redis_url == cfg.store.remote_url  # one Redis: registry and remote tier
     assert redis_bytes(option(redis_cmd, "--maxmemory")) > cfg.store.remote_bytes > 0
     assert cfg.chunker.anchor_tokens  # chunking needs the model's anchors
 
@@ -381,7 +382,7 @@ def running(
         "store.namespace": f"deploy{uuid.uuid4().hex[:10]}",
         "store.cpu_bytes": 32 * MiB,
         "store.disk_path": str(tmp_path_factory.mktemp("disk-tier")), "store.disk_bytes": 64 * MiB,
-        "store.remote_url": redis_url, "store.remote_bytes": 64 * MiB,
+        "store.remote_url": redis_url, "store.remote_bytes": 64 * MiB, "shared_registry.redis_url": redis_url,
     })
     assert config.auth.enabled
     with ServerThread(config) as st:

@@ -76,6 +76,7 @@ class ReusePolicy:
     rotation: Rotation = Rotation.SERVER
     store: bool = True
     min_fetch_tokens: int = 32
+    store_shared: bool = False  # Store into the shared scope (operator-granted tenants; warm-up)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rotation", Rotation(self.rotation))
@@ -266,6 +267,15 @@ class Engine:
     def rope(self) -> RopeSpec:
         return self.adapter.rope
 
+    def warm(self, tokens: Any, *, shared: bool = False) -> int:
+        """Prefill ``tokens`` once from position 0 and Store their chunks (into the shared scope
+        with ``shared``): one warm-up plan sequence (``SidecarClient.warm_up``, docs/manifests.md).
+        Returns the chunks stored."""
+        if self.sidecar is None:
+            raise ValueError("warm: the engine has no sidecar to Store into")
+        reuse = replace(self.reuse, sidecar=True, store=True, store_shared=shared)
+        return self.prefill(tokens, reuse=reuse).stored_chunks
+
     def with_namespace(self, namespace: str) -> None:
         """Switch the identity's namespace (isolates benchmark arms on one sidecar)."""
         self.identity = replace(self.identity, namespace=namespace)
@@ -430,11 +440,13 @@ class Engine:
 
         if use_sidecar and reuse.store:
             t0 = clock()
-            res.stored_chunks = self._store(tokens, plan, steps, cache)
+            res.stored_chunks = self._store(tokens, plan, steps, cache, reuse.store_shared)
             tm.store_s = clock() - t0
         return res
 
-    def _store(self, tokens: np.ndarray, plan: LookupPlan, steps: list[Step], cache: SequenceCache) -> int:
+    def _store(
+        self, tokens: np.ndarray, plan: LookupPlan, steps: list[Step], cache: SequenceCache, shared: bool = False
+    ) -> int:
         bounds = plan.chunk_bounds.tolist()
         if len(bounds) < 2:
             return 0
@@ -450,7 +462,8 @@ class Engine:
         if not payloads:
             return 0
         res = self.sidecar.store(
-            tokens, identity=self.identity, layout=self.layout, payloads=payloads, register_from=bounds[0]
+            tokens, identity=self.identity, layout=self.layout, payloads=payloads, register_from=bounds[0],
+            shared=shared,
         )
         return res.chunks_stored
 

@@ -17,7 +17,9 @@ on the event loop that also serves lookups.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -38,6 +40,15 @@ _PREFILL = int(SegmentKind.PREFILL)
 _PREFIX = int(SegmentKind.ENGINE_PREFIX)
 _EXACT = int(Fidelity.EXACT)
 _APPROX = int(Fidelity.APPROXIMATE)
+
+
+class RegistryPublisher(Protocol):
+    def publish(self, entries: Iterable[ChunkEntry | None], shared_copies: Collection[int] = ()) -> None:
+        """Make ``entries`` (just registered; None where already evicted) known to peers;
+        ``shared_copies``: keys whose bytes the shared remote tier holds. Must not block."""
+
+    def unpublish(self, entries: Iterable[tuple[int, str]]) -> None:
+        """Withdraw ``(chunk key, scope)`` entries deleted here. Must not block."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,6 +81,16 @@ class ChunkIndex:
     def __init__(self, chunker: ChunkerConfig, registry: InMemoryRegistry) -> None:
         self.chunker = chunker
         self.registry = registry
+        #: Told of every entry registered here (the shared registry's ``publish``), or None.
+        self.publisher: RegistryPublisher | None = None
+        #: Told ``(identity, entries)`` after chunks are registered here for the first time (the
+        #: manifest producer). Called on the registering thread: it must only buffer.
+        self.on_new_chunks: Callable[[CacheIdentity, list[ChunkEntry]], None] | None = None
+
+    def announce(self, identity: CacheIdentity, entries: list[ChunkEntry]) -> None:
+        """Report newly registered ``entries`` to ``on_new_chunks`` (if set)."""
+        if entries and self.on_new_chunks is not None:
+            self.on_new_chunks(identity, entries)
 
     def chunk(self, tokens: np.ndarray, identity: CacheIdentity, scopes: tuple[str, ...]) -> Chunks:
         seeds = [identity.scope_seed(s) for s in scopes]
@@ -77,13 +98,19 @@ class ChunkIndex:
 
     # ----------------------------------------------------------------------------- lookup
 
-    def lookup(self, q: LookupQuery) -> LookupPlan:
+    def lookup(self, q: LookupQuery, chunks: Chunks | None = None) -> LookupPlan:
+        """Plan ``q``. ``chunks``: ``self.chunk(q.tokens, q.identity, scopes)`` already computed
+        for scopes ``(q.scope,)`` or ``(q.scope, "shared")`` (the shared registry's near-cache
+        fill does this once for both)."""
         n = len(q.tokens)
         epl = q.engine_prefix_len
         reg = self.registry
-        search_shared = q.scope != SHARED_SCOPE and reg.scope_entries(SHARED_SCOPE) > 0
-        scopes = (q.scope, SHARED_SCOPE) if search_shared else (q.scope,)
-        chunks = self.chunk(q.tokens, q.identity, scopes)
+        if chunks is None:
+            search_shared = q.scope != SHARED_SCOPE and reg.scope_entries(SHARED_SCOPE) > 0
+            scopes = (q.scope, SHARED_SCOPE) if search_shared else (q.scope,)
+            chunks = self.chunk(q.tokens, q.identity, scopes)
+        else:
+            scopes = (q.scope, SHARED_SCOPE)[: len(chunks.fingerprints)]
         bounds = chunks.bounds
         summary = LookupSummary(total_tokens=n)
         rows: list[int] = []  # flat 7-field records (plan.SEG_*)
@@ -222,7 +249,13 @@ class ChunkIndex:
         refreshes its recency and keeps its canonical source position.
         """
         entries, end = self.entries(tokens, data, identity, scope, register_from=register_from, state=state)
-        added = sum(1 for entry in entries if self.registry.insert(entry))
+        new = [entry for entry in entries if self.registry.insert(entry)]
+        added = len(new)
+        self.announce(identity, new)
+        if self.publisher is not None:
+            # RESIDENT entries are published by the data plane, which knows where their bytes are.
+            known = map(self.registry.peek, [e.key for e in entries])
+            self.publisher.publish([e for e in known if e is not None and e.state is not EntryState.RESIDENT])
         starts = [e.source_pos for e in entries]
         bounds = (*starts, end) if starts else ()
         return RegisterResult(len(entries), added, len(entries) - added, tuple(e.key for e in entries), bounds)

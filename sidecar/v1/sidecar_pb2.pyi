@@ -578,3 +578,65 @@ class AbortSpliceRequest(_message.Message):
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     def __init__(self, plan_id: _Optional[str] = ...) -> None: ...
+
+class ImportManifestRequest(_message.Message):
+    __slots__ = ("lines", "shared", "no_prefetch")
+    LINES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    NO_PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    lines: bytes
+    shared: bool
+    no_prefetch: bool
+    def __init__(self, lines: _Optional[bytes] = ..., shared: bool = ..., no_prefetch: bool = ...) -> None: ...
+
+class ImportManifestResponse(_message.Message):
+    __slots__ = ("lines", "prefetched", "planned", "present", "malformed", "refused", "warmup_pending")
+    LINES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHED_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    MALFORMED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_PENDING_FIELD_NUMBER: _ClassVar[int]
+    lines: int
+    prefetched: int
+    planned: int
+    present: int
+    malformed: int
+    refused: int
+    warmup_pending: int
+    def __init__(self, lines: _Optional[int] = ..., prefetched: _Optional[int] = ..., planned: _Optional[int] = ..., present: _Optional[int] = ..., malformed: _Optional[int] = ..., refused: _Optional[int] = ..., warmup_pending: _Optional[int] = ...) -> None: ...
+
+class WarmUpPlanRequest(_message.Message):
+    __slots__ = ("identity", "shared", "max_sequences")
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    identity: CacheIdentity
+    shared: bool
+    max_sequences: int
+    def __init__(self, identity: _Optional[_Union[CacheIdentity, _Mapping]] = ..., shared: bool = ..., max_sequences: _Optional[int] = ...) -> None: ...
+
+class WarmUpPlan(_message.Message):
+    __slots__ = ("sequences", "tokens", "pending_chunks")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedScalarFieldContainer[bytes]
+    tokens: int
+    pending_chunks: int
+    def __init__(self, sequences: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[int] = ..., pending_chunks: _Optional[int] = ...) -> None: ...
+
+class ExportManifestRequest(_message.Message):
+    __slots__ = ("identity", "include_shared")
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_SHARED_FIELD_NUMBER: _ClassVar[int]
+    identity: CacheIdentity
+    include_shared: bool
+    def __init__(self, identity: _Optional[_Union[CacheIdentity, _Mapping]] = ..., include_shared: bool = ...) -> None: ...
+
+class ExportManifestResponse(_message.Message):
+    __slots__ = ("lines",)
+    LINES_FIELD_NUMBER: _ClassVar[int]
+    lines: bytes
+    def __init__(self, lines: _Optional[bytes] = ...) -> None: ...

@@ -109,6 +109,21 @@ class KVSidecarStub(object):
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.FetchSessionRequest.SerializeToString,
                 response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.FetchSessionResponse.FromString,
                 _registered_method=True)
+        self.ImportManifest = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/ImportManifest',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.ImportManifestRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ImportManifestResponse.FromString,
+                _registered_method=True)
+        self.GetWarmUpPlan = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/GetWarmUpPlan',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.WarmUpPlanRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.WarmUpPlan.FromString,
+                _registered_method=True)
+        self.ExportManifest = channel.unary_stream(
+                '/sidecar.v1.KVSidecar/ExportManifest',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.ExportManifestRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ExportManifestResponse.FromString,
+                _registered_method=True)
 
 
 class KVSidecarServicer(object):
@@ -213,6 +228,26 @@ class KVSidecarServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ImportManifest(self, request, context):
+        """Warm-start manifests (docs/manifests.md): import entries (prefetching KV a shared tier holds),
+        the warm-up plan for the rest, and this sidecar's registry as a manifest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWarmUpPlan(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportManifest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVSidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -290,6 +325,21 @@ def add_KVSidecarServicer_to_server(servicer, server):
                     servicer.FetchSession,
                     request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.FetchSessionRequest.FromString,
                     response_serializer=sidecar_dot_v1_dot_sidecar__pb2.FetchSessionResponse.SerializeToString,
+            ),
+            'ImportManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportManifest,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ImportManifestRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.ImportManifestResponse.SerializeToString,
+            ),
+            'GetWarmUpPlan': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWarmUpPlan,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.WarmUpPlanRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.WarmUpPlan.SerializeToString,
+            ),
+            'ExportManifest': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportManifest,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ExportManifestRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.ExportManifestResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -697,6 +747,87 @@ class KVSidecar(object):
             '/sidecar.v1.KVSidecar/FetchSession',
             sidecar_dot_v1_dot_sidecar__pb2.FetchSessionRequest.SerializeToString,
             sidecar_dot_v1_dot_sidecar__pb2.FetchSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/ImportManifest',
+            sidecar_dot_v1_dot_sidecar__pb2.ImportManifestRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.ImportManifestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWarmUpPlan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/GetWarmUpPlan',
+            sidecar_dot_v1_dot_sidecar__pb2.WarmUpPlanRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.WarmUpPlan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/ExportManifest',
+            sidecar_dot_v1_dot_sidecar__pb2.ExportManifestRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.ExportManifestResponse.FromString,
             options,
             channel_credentials,
             insecure,

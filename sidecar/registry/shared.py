@@ -1,0 +1,383 @@
+"""The Redis-shared registry: the local ``InMemoryRegistry`` becomes a near cache in front of it.
+
+::
+
+    Lookup (event loop)                                  Store / register (event loop)
+      chunk own scope (+ shared)                           entries registered locally (visible now)
+      keys missing from the local registry                 records queued (bounded, O(1) per chunk)
+      ── one MGET per slot, ONE pipelined round trip ──>   flusher thread, every publish_interval_s:
+         (worker thread, timeout_s; skipped while down)      one pipeline of SET per record
+      records verified to be of the asked scope           peers see a chunk <= publish_interval_s
+      inserted locally: RESIDENT when the bytes sit        + one Redis write after it was registered
+      in the shared remote tier this sidecar reads,
+      OBSERVED (never served) when only the owner has them
+
+Failure (Redis gone, slow or restarting): Lookups skip Redis while it is down and never wait
+longer than ``timeout_s`` for it; the local registry is never touched by a Redis failure. The
+flusher thread reconnects with jittered exponential backoff, keeps unsent publishes (oldest
+dropped past ``max_pending``, counted) and sends them once Redis answers again. Health changes
+are reported to a listener (the server's gRPC health name for the registry).
+
+Tenancy: Redis keys are derived from the server-side, scope-salted chunk keys of the Lookup's
+own scope and ``shared`` only (``shared_keys``), and a record whose scope is not the one it was
+asked for is dropped, so a tenant never sees another tenant's private chunks through Redis.
+
+Threads: ``fill``/``publish`` run on the event loop that owns the local registry; reads run in a
+small worker pool; writes in one flusher thread. Stats are plain counters read at scrape time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sidecar.identity import SHARED_SCOPE
+from sidecar.registry.registry import ChunkEntry, EntryState, token_digest
+from sidecar.registry.shared_keys import KeySpace, SharedRecord, SharedRegistryConfig, group_by_slot
+
+if TYPE_CHECKING:
+    from sidecar.registry.chunker import Chunks
+    from sidecar.registry.index import ChunkIndex, LookupQuery
+
+logger = logging.getLogger(__name__)
+
+#: Error counter labels (``kv_sidecar_shared_registry_errors_total{op}``).
+OPS = ("read", "publish", "connect")
+
+
+@dataclass(slots=True)
+class SharedRegistryStats:
+    up: bool = False
+    errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPS, 0))
+    reads: int = 0  # Lookups that went to Redis (one round trip each)
+    reads_skipped: int = 0  # Lookups with local misses that did not ask Redis (down)
+    read_keys: int = 0
+    read_found: int = 0  # records absorbed into the local registry
+    published: int = 0  # records written
+    dropped: int = 0  # queued records dropped (oldest first) past max_pending
+    reconnects: int = 0
+
+
+class SharedRegistry:
+    """Redis-backed chunk index shared by sidecars (see the module docstring).
+
+    ``shared_tier``: this sidecar's remote tier (``host:port/namespace``, empty without one);
+    a peer's chunk is served here only when its bytes sit in that same tier.
+    """
+
+    def __init__(self, config: SharedRegistryConfig, *, sidecar_id: str, shared_tier: str = "") -> None:
+        if not config.enabled:
+            raise ValueError("shared_registry.redis_url is required to run the shared registry")
+        self.config = config
+        self.sidecar_id = sidecar_id
+        self.shared_tier = shared_tier
+        self.keys = KeySpace(config.key_prefix)
+        self.stats = SharedRegistryStats()
+        #: Whether any sidecar published into the ``shared`` scope (refreshed by the flusher).
+        self.shared_nonempty = True
+        self._pending: deque[tuple[bytes, bytes | None, bool, str]] = deque()  # key, record, resident, scope
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closing = False
+        self._reader: Any = None
+        self._writer: Any = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._thread: threading.Thread | None = None
+        self._listener: Callable[[bool], None] | None = None
+        self._retry_at = 0.0
+        self._backoff = config.backoff_initial_s
+        self._probed_at = 0.0
+        self._was_up = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, listener: Callable[[bool], None] | None = None) -> bool:
+        """Connect (one bounded attempt; a failure leaves the registry degraded, not broken)
+        and start the flusher. ``listener(up)`` is called from any thread on every health
+        change. Returns whether Redis answered."""
+        self._listener = listener
+        self._reader = self._client()
+        self._writer = self._client()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shared-registry-read")
+        self._try_connect()
+        self._thread = threading.Thread(target=self._run, name="shared-registry-flush", daemon=True)
+        self._thread.start()
+        return self.stats.up
+
+    def _client(self) -> Any:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        cfg = self.config
+        # No client-side retries: one bounded attempt per call; the flusher owns reconnection.
+        kw = dict(socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s, retry=Retry(NoBackoff(), 0))
+        if cfg.cluster:
+            from redis.cluster import RedisCluster
+
+            return RedisCluster.from_url(cfg.redis_url, **kw)
+        return redis.Redis.from_url(cfg.redis_url, **kw)
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Stop the flusher after one last flush attempt (bounded by ``timeout``). Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        for c in (self._reader, self._writer):
+            if c is not None:
+                try:
+                    c.close()
+                except Exception:  # noqa: BLE001 - closing a dead connection
+                    pass
+
+    @property
+    def up(self) -> bool:
+        return self.stats.up
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _set_up(self, up: bool, op: str = "", exc: BaseException | None = None) -> None:
+        st = self.stats
+        if op:
+            st.errors[op] += 1
+        if up == st.up:
+            return
+        st.up = up
+        if up:
+            self._backoff = self.config.backoff_initial_s
+            st.reconnects += self._was_up
+            self._was_up = True
+            logger.info("shared registry: Redis answers again; %d publishes pending", len(self._pending))
+        else:
+            self._retry_at = time.monotonic() + self._backoff
+            logger.warning("shared registry: Redis unavailable (%s: %s); serving from the local registry", op, exc)
+        if self._listener is not None:
+            try:
+                self._listener(up)
+            except Exception:  # noqa: BLE001 - a listener must not break the registry
+                logger.exception("shared registry health listener failed")
+
+    def _try_connect(self) -> None:
+        try:
+            self._writer.ping()
+        except Exception as exc:  # noqa: BLE001 - any transport error means down
+            self._backoff = min(self._backoff * 2, self.config.backoff_max_s)
+            self._retry_at = time.monotonic() + self._backoff * (0.5 + random.random() / 2)
+            self._set_up(False, "connect", exc)
+            return
+        self._set_up(True)
+
+    # ------------------------------------------------------------------ Lookup (near cache)
+
+    async def fill(self, index: ChunkIndex, q: LookupQuery) -> Chunks:
+        """Chunk ``q`` (own scope, plus ``shared`` when any sidecar has shared chunks) and bring
+        the chunks missing from the local registry in from Redis: at most ONE pipelined round
+        trip, run in a worker thread, bounded by ``timeout_s``; skipped while Redis is down.
+        Returns the chunks for ``index.lookup(q, chunks)``. Never raises for Redis."""
+        reg = index.registry
+        own = q.scope
+        search_shared = own != SHARED_SCOPE and (self.shared_nonempty or reg.scope_entries(SHARED_SCOPE) > 0)
+        scopes = (own, SHARED_SCOPE) if search_shared else (own,)
+        chunks = index.chunk(q.tokens, q.identity, scopes)
+        c0 = int(np.searchsorted(chunks.bounds, q.engine_prefix_len, side="right")) - 1
+        missing: list[int] = []
+        keys: list[bytes] = []
+        scope_of: list[str] = []
+        # A Lookup that serves RESIDENT chunks only also asks again for local entries it cannot
+        # serve: a peer may have stored their KV since (metadata published before the bytes).
+        refresh = not q.dry_run
+        resident = EntryState.RESIDENT
+        for row, scope in enumerate(scopes):
+            fps = chunks.fingerprints[row, c0:].tolist()
+            have = reg.get_many(fps)
+            if refresh:
+                miss = [k for k, e in zip(fps, have) if e is None or e.state is not resident]
+            else:
+                miss = [k for k, e in zip(fps, have) if e is None]
+            if miss:
+                missing += miss
+                keys += self.keys.chunk_keys(scope, miss)
+                scope_of += [scope] * len(miss)
+        if not keys:
+            return chunks
+        if not self.stats.up or self._pool is None:
+            self.stats.reads_skipped += 1
+            return chunks
+        try:
+            raw = await asyncio.get_running_loop().run_in_executor(self._pool, self._read, keys)
+        except RuntimeError:  # pool shut down (closing)
+            return chunks
+        if raw is not None:
+            self._absorb(reg, missing, scope_of, raw)
+        return chunks
+
+    def _read(self, keys: list[bytes]) -> list[bytes | None] | None:
+        """One round trip: MGET on one server; one MGET per slot in one pipeline on Cluster."""
+        st = self.stats
+        st.reads += 1
+        st.read_keys += len(keys)
+        try:
+            if not self.config.cluster:
+                return self._reader.mget(keys)
+            groups = group_by_slot(keys)
+            pipe = self._reader.pipeline(transaction=False)
+            for idx in groups.values():
+                pipe.mget([keys[i] for i in idx])
+            out: list[bytes | None] = [None] * len(keys)
+            for idx, values in zip(groups.values(), pipe.execute()):
+                for i, v in zip(idx, values):
+                    out[i] = v
+            return out
+        except Exception as exc:  # noqa: BLE001 - Redis trouble never fails a Lookup
+            self._set_up(False, "read", exc)
+            return None
+
+    def _absorb(self, reg: Any, keys: list[int], scopes: list[str], raw: list[bytes | None]) -> None:
+        """Insert the records found into the local registry (loop thread)."""
+        n = 0
+        tier_b = self.shared_tier.encode()
+        decode = SharedRecord.decode_entry
+        scope_b = {s: s.encode() for s in set(scopes)}
+        for key, scope, value in zip(keys, scopes, raw):
+            if value is None:
+                continue
+            # never lets a record cross scopes: None unless it carries the scope it was asked for
+            e = decode(value, key, scope, scope_b[scope], tier_b)
+            if e is None:
+                continue
+            old = reg.peek(key)
+            if old is None:
+                n += reg.insert(e)
+            elif e.state is EntryState.RESIDENT and old.state is not EntryState.RESIDENT and (
+                old.num_tokens == e.num_tokens and (not old.tokens or token_digest(old.tokens) == e.digest)
+            ):
+                # Known here as metadata only; a peer's copy is servable now: it is canonical.
+                old.source_pos, old.prefix_digest = e.source_pos, e.prefix_digest
+                if len(old.left_context) == len(e.left_context):  # keeps the registry's byte count
+                    old.left_context = e.left_context
+                old.digest = e.digest
+                old.state, old.tier = EntryState.RESIDENT, "remote"
+                n += 1
+        self.stats.read_found += n
+
+    # ------------------------------------------------------------------ publish
+
+    def publish(self, entries: Iterable[ChunkEntry | None], shared_copies: Collection[int] = ()) -> None:
+        """Queue records of ``entries`` (loop thread; O(1) per entry, no I/O). ``shared_copies``:
+        keys whose bytes the remote tier now holds. A RESIDENT record replaces what Redis
+        holds; an OBSERVED one is only written where Redis has nothing yet."""
+        shared_tier = self.shared_tier
+        owner = self.sidecar_id
+        ctx = self.config.share_left_context
+        batch = []
+        for e in entries:
+            if e is None:
+                continue
+            rec = SharedRecord.of(e, owner, shared_tier if e.key in shared_copies else "", ctx)
+            batch.append((self.keys.chunk_keys(e.scope, (e.key,))[0], rec.encode(), rec.resident, e.scope))
+        self._enqueue(batch)
+
+    def unpublish(self, entries: Iterable[tuple[int, str]]) -> None:
+        """Queue deletions of ``(chunk key, scope)`` records (operator Delete)."""
+        self._enqueue([(self.keys.chunk_keys(scope, (k,))[0], None, False, scope) for k, scope in entries])
+
+    def _enqueue(self, batch: list[tuple[bytes, bytes | None, bool, str]]) -> None:
+        if not batch:
+            return
+        limit = self.config.max_pending
+        with self._lock:
+            q = self._pending
+            q.extend(batch)
+            over = len(q) - limit
+            for _ in range(max(0, over)):
+                q.popleft()
+            if over > 0:
+                self.stats.dropped += over
+
+    # ------------------------------------------------------------------ flusher thread
+
+    def _run(self) -> None:
+        cfg = self.config
+        while True:
+            closing = self._closing
+            if self.stats.up:
+                self._flush()
+            elif time.monotonic() >= self._retry_at or closing:
+                self._try_connect()
+                if self.stats.up:
+                    self._flush()
+            if closing:
+                return
+            wait = cfg.publish_interval_s if self.stats.up else max(0.0, min(cfg.publish_interval_s * 4,
+                                                                               self._retry_at - time.monotonic()))
+            self._wake.wait(wait)
+
+    def _flush(self) -> None:
+        """Send what is queued, batch by batch, while Redis answers; probe the shared scope."""
+        cfg = self.config
+        ttl = int(cfg.entry_ttl_s) or None
+        now = time.monotonic()
+        probe = now - self._probed_at >= cfg.probe_interval_s
+        while True:
+            with self._lock:
+                n = min(len(self._pending), cfg.max_batch)
+                batch = [self._pending.popleft() for _ in range(n)]
+            if not batch and not probe:
+                return
+            try:
+                pipe = self._writer.pipeline(transaction=False)
+                for key, value, resident, _scope in batch:
+                    if value is None:
+                        pipe.delete(key)
+                    elif resident:
+                        pipe.set(key, value, ex=ttl, get=True)
+                    else:
+                        pipe.set(key, value, ex=ttl, nx=True)
+                if probe:
+                    pipe.get(self.keys.count_key(SHARED_SCOPE))
+                results = pipe.execute()
+                new: dict[str, int] = {}
+                for (_key, value, resident, scope), r in zip(batch, results):
+                    if value is not None and ((resident and r is None) or (not resident and r)):
+                        new[scope] = new.get(scope, 0) + 1
+                if new:
+                    pipe = self._writer.pipeline(transaction=False)
+                    for scope, k in new.items():
+                        pipe.incrby(self.keys.count_key(scope), k)
+                    pipe.execute()
+                    if SHARED_SCOPE in new:
+                        self.shared_nonempty = True
+            except Exception as exc:  # noqa: BLE001 - put the batch back, go down, retry later
+                with self._lock:
+                    self._pending.extendleft(reversed(batch))
+                    over = len(self._pending) - cfg.max_pending
+                    for _ in range(max(0, over)):
+                        self._pending.popleft()
+                    if over > 0:
+                        self.stats.dropped += over
+                self._set_up(False, "publish", exc)
+                return
+            self.stats.published += sum(1 for b in batch if b[1] is not None)
+            if probe:
+                self.shared_nonempty = SHARED_SCOPE in new or bool(int(results[-1] or 0))
+                self._probed_at = now
+                probe = False
+            if not batch:
+                return
