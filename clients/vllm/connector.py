@@ -57,7 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from clients.vllm import directives
 from clients.vllm.claim import Claim, LoadItem, claim, store_chunks
 from clients.vllm.link import SidecarLink
-from clients.vllm.paged import BlockLayout, PagedKV, payload_bytes, payload_view
+from clients.vllm.paged import BlockLayout, PagedKV, payload_bytes, payload_view, single_threaded
 from clients.vllm.settings import Settings, describe, engine_shape
 
 if TYPE_CHECKING:
@@ -264,7 +264,8 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         got = self.link.call("fetch", job.tenant, lambda c: c.fetch(
             [(it.chunk_hash, it.target_pos) for it in job.items], identity=sh.identity, layout=sh.layout, rope=sh.rope))
         t1 = time.perf_counter()
-        block_ids = torch.tensor(job.block_ids, dtype=torch.int64)
+        # the fetched rows of each run of contiguous items, copied into the paged cache at once
+        runs: list[tuple[int, int, list[torch.Tensor]]] = []
         for i, it in enumerate(job.items):
             f = got[i] if got is not None else None
             n = len(it)
@@ -273,9 +274,17 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             rows = payload_view(f.data, sh.num_layers, f.num_tokens, sh.num_kv_heads, sh.head_size,
                                 self._paged.dtype)[:, :, it.row : it.row + n]
-            self._paged.scatter(rows, block_ids, torch.arange(it.start, it.end, dtype=torch.int64))
+            if runs and runs[-1][1] == it.start:
+                runs[-1] = (runs[-1][0], it.end, runs[-1][2] + [rows])
+            else:
+                runs.append((it.start, it.end, [rows]))
             self.counters["loaded_tokens"] += n
             self.counters["fetch_bytes"] += len(f.data)
+        block_ids = torch.tensor(job.block_ids, dtype=torch.int64)
+        with single_threaded():
+            for start, end, parts in runs:
+                rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+                self._paged.scatter(rows, block_ids, torch.arange(start, end, dtype=torch.int64))
         self.counters["fetch_us"] += int((t1 - t0) * 1e6)
         self.counters["scatter_us"] += int((time.perf_counter() - t1) * 1e6)
         self.counters["loads"] += 1
@@ -298,12 +307,13 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         for job in meta.stores:
             t0 = time.perf_counter()
             pos = np.concatenate([np.arange(a, b) for a, b in job.chunks])
-            rows = self._paged.gather(torch.tensor(job.block_ids, dtype=torch.int64), torch.from_numpy(pos))
             payloads: dict[int, memoryview] = {}
-            i = 0
-            for a, b in job.chunks:
-                payloads[a] = payload_bytes(rows[:, :, i : i + (b - a)])
-                i += b - a
+            with single_threaded():
+                rows = self._paged.gather(torch.tensor(job.block_ids, dtype=torch.int64), torch.from_numpy(pos))
+                i = 0
+                for a, b in job.chunks:
+                    payloads[a] = payload_bytes(rows[:, :, i : i + (b - a)])
+                    i += b - a
             self.counters["gather_us"] += int((time.perf_counter() - t0) * 1e6)
             if self.settings.store == "sync":
                 self._store(job, payloads)

@@ -15,11 +15,32 @@ Sidecar payloads are ``KVLayout.gqa`` order: per layer, K ``[n, H, D]`` then V `
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
+
+@contextmanager
+def single_threaded() -> Iterator[None]:
+    """Run the connector's copies on one intra-op thread. They are many small ops (a few per
+    layer and run); with the engine's OMP team each op ends at a barrier, and on a busy host (the
+    sidecar storing, another engine) one descheduled team thread stalls every op. Measured in the
+    engine (bench/vllm.py agent_meta, 3 loads of ~4.8K tokens): 8.3 s per load with one copy per
+    fetched item on the 2-thread team, 0.24 s with one copy per contiguous run on one thread.
+    Called on the worker's model thread between forwards only, so the forward keeps its threads."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
 
 # bf16 / fp16 hold every integer 0..256 exactly: ids are written in base-256 digits.
 _DIGIT = 256
