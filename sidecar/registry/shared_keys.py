@@ -141,16 +141,6 @@ class KeySpace:
         return f"{self.base(scope)}n".encode()
 
 
-def group_by_slot(keys: Sequence[bytes]) -> dict[int, list[int]]:
-    """Indices of ``keys`` grouped by Redis Cluster slot (one MGET per group)."""
-    from redis.crc import key_slot
-
-    groups: dict[int, list[int]] = {}
-    for i, k in enumerate(keys):
-        groups.setdefault(key_slot(k), []).append(i)
-    return groups
-
-
 @dataclass(frozen=True, slots=True)
 class SharedRecord:
     """What the shared registry knows of one chunk."""
