@@ -383,6 +383,47 @@ class _FetchAssembler:
             self._parts = []
 
 
+def _trailers(exc: grpc.RpcError) -> tuple:
+    """Trailing metadata of a failed call (claim refusals carry their proof there)."""
+    try:
+        return tuple(exc.trailing_metadata() or ())
+    except Exception:  # noqa: BLE001 - some transport errors have none
+        return ()
+
+
+_CLAIM_MODES = {
+    "soft_priority": pb.CLAIM_MODE_SOFT_PRIORITY, "hard_protected": pb.CLAIM_MODE_HARD_PROTECTED,
+    "demotable": pb.CLAIM_MODE_DEMOTABLE, "offloadable": pb.CLAIM_MODE_OFFLOADABLE,
+    "expiring": pb.CLAIM_MODE_EXPIRING, "best_effort": pb.CLAIM_MODE_BEST_EFFORT,
+}
+
+
+def _claim_request(
+    claim_id: str,
+    identity: CacheIdentity,
+    mode: str,
+    *,
+    chunk_hashes: Sequence[int] = (),
+    tokens: Tokens | None = None,
+    session_id: str = "",
+    predicate_min_tokens: int = 0,
+    duration_s: float | None = None,
+    footprint_blocks: int = 0,
+    shared: bool = False,
+) -> pb.ClaimRequest:
+    if mode not in _CLAIM_MODES:
+        raise ValueError(f"mode: one of {sorted(_CLAIM_MODES)}, got {mode!r}")
+    req = pb.ClaimRequest(
+        claim_id=claim_id, identity=identity_to_wire(identity), chunk_hashes=[int(h) for h in chunk_hashes],
+        tokens=tokens_to_wire(tokens) if tokens is not None else b"", session_id=session_id,
+        predicate_min_tokens=predicate_min_tokens, mode=_CLAIM_MODES[mode], footprint_blocks=footprint_blocks,
+        shared=shared,
+    )
+    if duration_s is not None:
+        req.duration_s = duration_s
+    return req
+
+
 def _lookup_request(
     tokens: Tokens,
     identity: CacheIdentity,
@@ -522,7 +563,7 @@ class SidecarClient(_ClientBase):
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
-                err = error_for_status(exc.code(), exc.details() or "")
+                err = error_for_status(exc.code(), exc.details() or "", _trailers(exc))
                 if not (idempotent and err.transient) or attempt + 1 >= self._retry.attempts:
                     raise err from exc
             await asyncio.sleep(self._retry.backoff(attempt))
@@ -647,6 +688,52 @@ class SidecarClient(_ClientBase):
             stored += await asyncio.to_thread(engine.warm, q, shared=shared)
         return WarmUpResult(len(seqs), sum(len(q) for q in seqs), stored)
 
+    # ------------------------------------------------------------------------- claims
+    # docs/claims.md. Responses are the wire messages (ClaimDecision, ClaimInfo, ...). A Store or
+    # call refused because of claims raises ResourceExhausted with ``blocking_claim_ids`` and
+    # ``capacity_proof`` set. Claim / Release / Demote are not retried (they change state).
+
+    async def claim(self, claim_id: str, *, identity: CacheIdentity, mode: str, **kwargs: Any) -> pb.ClaimDecision:
+        """Submit a claim: ``chunk_hashes`` (ordered), ``tokens`` or ``session_id`` names the object;
+        ``predicate_min_tokens``, ``duration_s``, ``footprint_blocks``, ``shared`` as in the proto."""
+        req = _claim_request(claim_id, identity, mode, **kwargs)
+        return await self._call(lambda: self._stub.Claim(req, metadata=self._metadata, timeout=self._timeout),
+                                idempotent=False)
+
+    async def release_claim(self, claim_id: str) -> pb.ClaimInfo:
+        req = pb.ReleaseClaimRequest(claim_id=claim_id)
+        return await self._call(lambda: self._stub.ReleaseClaim(req, metadata=self._metadata, timeout=self._timeout),
+                                idempotent=False)
+
+    async def demote_claim(self, claim_id: str, reason: str = "") -> pb.ClaimInfo:
+        req = pb.DemoteClaimRequest(claim_id=claim_id, reason=reason)
+        return await self._call(lambda: self._stub.DemoteClaim(req, metadata=self._metadata, timeout=self._timeout),
+                                idempotent=False)
+
+    async def get_claim(self, claim_id: str) -> pb.ClaimInfo:
+        req = pb.GetClaimRequest(claim_id=claim_id)
+        return await self._call(lambda: self._stub.GetClaim(req, metadata=self._metadata, timeout=self._timeout))
+
+    async def report_pool(self, *, usable_blocks: int, free_blocks: int, block_size: int, hard_protection: bool,
+                          engine_id: str = "") -> pb.ReportPoolResponse:
+        req = pb.ReportPoolRequest(usable_blocks=usable_blocks, free_blocks=free_blocks, block_size=block_size,
+                                   hard_protection=hard_protection, engine_id=engine_id)
+        return await self._call(lambda: self._stub.ReportPool(req, metadata=self._metadata, timeout=self._timeout))
+
+    async def admit_active(self, request_id: str, active_live_blocks: int) -> pb.AdmitActiveResponse:
+        req = pb.AdmitActiveRequest(request_id=request_id, active_live_blocks=active_live_blocks)
+        return await self._call(lambda: self._stub.AdmitActive(req, metadata=self._metadata, timeout=self._timeout),
+                                idempotent=False)
+
+    async def watch_events(self, *, since_seq: int = 0, follow: bool = False):
+        """Async iterator of ``pb.ClaimEvent`` (no timeout: a follow watch runs until cancelled)."""
+        req = pb.WatchEventsRequest(since_seq=since_seq, follow=follow)
+        try:
+            async for ev in self._stub.WatchEvents(req, metadata=self._metadata):
+                yield ev
+        except grpc.aio.AioRpcError as exc:
+            raise error_for_status(exc.code(), exc.details() or "", _trailers(exc)) from exc
+
     # ------------------------------------------------------------------- sessions / Splice
 
     async def _session_call(self, method: str, req: Any) -> Any:
@@ -735,7 +822,7 @@ class SyncSidecarClient(_ClientBase):
             try:
                 return fn()
             except grpc.RpcError as exc:
-                err = error_for_status(exc.code(), exc.details() or "")
+                err = error_for_status(exc.code(), exc.details() or "", _trailers(exc))
                 if not (idempotent and err.transient) or attempt + 1 >= self._retry.attempts:
                     raise err from exc
             time.sleep(self._retry.backoff(attempt))
@@ -819,6 +906,50 @@ class SyncSidecarClient(_ClientBase):
         seqs = self.warm_up_plan(engine.identity, shared=shared)
         stored = sum(engine.warm(q, shared=shared) for q in seqs)
         return WarmUpResult(len(seqs), sum(len(q) for q in seqs), stored)
+
+    # ------------------------------------------------------------------------- claims
+    # See SidecarClient for the contracts.
+
+    def claim(self, claim_id: str, *, identity: CacheIdentity, mode: str, **kwargs: Any) -> pb.ClaimDecision:
+        req = _claim_request(claim_id, identity, mode, **kwargs)
+        return self._call(lambda: self._stub.Claim(req, metadata=self._metadata, timeout=self._timeout),
+                          idempotent=False)
+
+    def release_claim(self, claim_id: str) -> pb.ClaimInfo:
+        req = pb.ReleaseClaimRequest(claim_id=claim_id)
+        return self._call(lambda: self._stub.ReleaseClaim(req, metadata=self._metadata, timeout=self._timeout),
+                          idempotent=False)
+
+    def demote_claim(self, claim_id: str, reason: str = "") -> pb.ClaimInfo:
+        req = pb.DemoteClaimRequest(claim_id=claim_id, reason=reason)
+        return self._call(lambda: self._stub.DemoteClaim(req, metadata=self._metadata, timeout=self._timeout),
+                          idempotent=False)
+
+    def get_claim(self, claim_id: str) -> pb.ClaimInfo:
+        req = pb.GetClaimRequest(claim_id=claim_id)
+        return self._call(lambda: self._stub.GetClaim(req, metadata=self._metadata, timeout=self._timeout))
+
+    def report_pool(self, *, usable_blocks: int, free_blocks: int, block_size: int, hard_protection: bool,
+                    engine_id: str = "") -> pb.ReportPoolResponse:
+        req = pb.ReportPoolRequest(usable_blocks=usable_blocks, free_blocks=free_blocks, block_size=block_size,
+                                   hard_protection=hard_protection, engine_id=engine_id)
+        return self._call(lambda: self._stub.ReportPool(req, metadata=self._metadata, timeout=self._timeout))
+
+    def admit_active(self, request_id: str, active_live_blocks: int) -> pb.AdmitActiveResponse:
+        req = pb.AdmitActiveRequest(request_id=request_id, active_live_blocks=active_live_blocks)
+        return self._call(lambda: self._stub.AdmitActive(req, metadata=self._metadata, timeout=self._timeout),
+                          idempotent=False)
+
+    def watch_events(self, *, since_seq: int = 0, follow: bool = False):
+        """Iterator of ``pb.ClaimEvent``; ``follow`` streams until the caller stops iterating."""
+        req = pb.WatchEventsRequest(since_seq=since_seq, follow=follow)
+        call = self._stub.WatchEvents(req, metadata=self._metadata)
+        try:
+            yield from call
+        except grpc.RpcError as exc:
+            raise error_for_status(exc.code(), exc.details() or "", _trailers(exc)) from exc
+        finally:
+            call.cancel()
 
     # ------------------------------------------------------------------- sessions / Splice
     # See SidecarClient for the contracts.

@@ -26,6 +26,7 @@ import yaml
 from sidecar.auth.limits import LimitsConfig
 from sidecar.auth.tls import TlsConfig
 from sidecar.auth.tokens import parse_entry
+from sidecar.claims.config import ClaimsConfig
 from sidecar.directives import SessionConfig
 from sidecar.manifests.config import ManifestsConfig
 from sidecar.registry.chunker import ChunkerConfig
@@ -156,6 +157,7 @@ class SidecarConfig:
     directives: DirectivesConfig = field(default_factory=DirectivesConfig)
     shared_registry: SharedRegistryConfig = field(default_factory=SharedRegistryConfig)
     manifests: ManifestsConfig = field(default_factory=ManifestsConfig)
+    claims: ClaimsConfig = field(default_factory=ClaimsConfig)
     max_fetch_items: int = 4096
     fetch_part_bytes: int = 4 << 20
 

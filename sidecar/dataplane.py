@@ -26,6 +26,17 @@ Held sessions (docs/splice.md, "Sessions the sidecar holds")::
       verified, RESIDENT only) -> unbacked tokens   ONCE by position - canonical source position
       get (chunk, row, source position)             (fp32 math, one rounding) unless raw
 
+Resident claims (``sidecar.claims``): ``claims`` is the ledger when the server has one. Every
+key a sync or Store touches is tested against ``claims.watched`` (one dict lookup) and the
+changed claimed keys are handed to ``claims.on_keys`` once per call. A Store that the tiers
+refuse because guarded (claimed) chunks fill them is refused with ``ClaimBlocked`` (blocking
+claim ids + capacity proof), after relaxing demotable claims and retrying once.
+
+Pins: Fetch copies payloads out of the tiers inside ``get_many`` (which pins and unpins in its
+own ``finally``, in a worker thread that completes even when the call is cancelled); nothing is
+pinned while the response streams, so a client that disconnects mid-Fetch leaks nothing
+(``TieredStore.pins_in_flight`` is the gauge).
+
 Store and tier calls block (memory copies, file and Redis I/O), so they run in worker threads;
 the registry is only touched on the event loop thread.
 """
@@ -33,6 +44,7 @@ the registry is only touched on the event loop thread.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import struct
 from collections.abc import Sequence
@@ -152,6 +164,7 @@ class DataPlane:
         self.counters = DataPlaneCounters()
         #: Store also copies each chunk to the remote tier, for peers (shared registry).
         self.publish_remote = False
+        self.claims = None  # sidecar.claims.ClaimLedger, set by the server
 
     # ------------------------------------------------------------------ consistency
 
@@ -180,15 +193,23 @@ class DataPlane:
     def sync(self) -> None:
         """Apply store events to the registry and registry evictions to the store."""
         reg = self.index.registry
+        claims = self.claims
+        watched = claims.watched if claims is not None else {}
+        touched: list[int] = []
         dropped: list[bytes] = []
         for ev in reg.take_events():
             dropped.append(chunk_key(ev.key))
+            if ev.key in watched:
+                touched.append(ev.key)
         if dropped:
             self.store.delete(dropped)
         counts = self.counters.events
         for ev in self.store.take_events():
             counts[ev.kind.value] = counts.get(ev.kind.value, 0) + 1
-            entry = reg.peek(int.from_bytes(ev.key, "big"))
+            h = int.from_bytes(ev.key, "big")
+            if h in watched:
+                touched.append(h)
+            entry = reg.peek(h)
             if entry is None:
                 continue
             if not ev.tiers_after or ev.kind is EventKind.DELETED:
@@ -196,6 +217,8 @@ class DataPlane:
                 entry.tier = None
             else:
                 entry.tier = min(ev.tiers_after, key=_TIER_RANK.__getitem__).value
+        if touched:
+            claims.on_keys(touched)
 
     # ------------------------------------------------------------------ store
 
@@ -237,14 +260,38 @@ class DataPlane:
         tiers: dict[int, str] = {}
         held: dict[int, ChunkEntry] = {}  # chunks the tiers already held: their copy stays canonical
         shared_copies: set[int] = set()  # keys whose bytes the shared remote tier holds
+        order = sorted(payloads)
+        if self.claims is not None and self.claims.watched:
+            # Feasibility first: a Store that only fits by breaking accepted claims is refused
+            # whole (it would otherwise evict its own chunks and claim success).
+            peek = index.registry.peek
+            need = sum(
+                self.store.object_footprint(len(payloads[s])) for s in order
+                if (old := peek(entries[s].key)) is None or old.state is not EntryState.RESIDENT
+            )
+            if need:
+                self.claims.check_store(tenant, need)
         try:
-            for start in sorted(payloads):
+            for i, start in enumerate(order):
                 e = entries[start]
-                result = await asyncio.to_thread(
+                put = functools.partial(
                     self.store.put, chunk_key(e.key), payloads[start], layout=layout, num_tokens=e.num_tokens,
                     tenant=tenant, scope=scope, source_position=e.source_pos, aux=encode_aux(e),
                     publish=self.publish_remote,
                 )
+                try:
+                    result = await asyncio.to_thread(put)
+                except CapacityError as exc:
+                    if self.claims is None:
+                        raise
+                    self.sync()  # guards may have moved chunks: the ledger must see where they are
+                    verdict = self.claims.store_refusal(exc, tenant, sum(self.store.object_footprint(len(payloads[s])) for s in order))
+                    if verdict is True:
+                        result = await asyncio.to_thread(put)  # demotable claims relaxed: once more
+                    elif verdict is False:
+                        raise
+                    else:
+                        raise verdict from exc
                 if result.published:
                     shared_copies.add(e.key)
                 if result.stored:
@@ -261,6 +308,9 @@ class DataPlane:
         except CapacityError as exc:
             await self._rollback(stored)
             raise ResourceExhausted(f"capacity: {exc}") from exc
+        except ResourceExhausted:
+            await self._rollback(stored)
+            raise
         except BaseException:
             await self._rollback(stored)
             raise
@@ -295,6 +345,11 @@ class DataPlane:
                 refreshed += 1
         index.announce(identity, new)
         self.sync()
+        if self.claims is not None:
+            watched = self.claims.watched
+            mine = [e.key for e in entries.values() if e.key in watched]
+            if mine:
+                self.claims.on_keys(mine)
         if index.publisher is not None:
             index.publisher.publish([reg.peek(e.key) for e in entries.values()], shared_copies)
         nbytes = sum(len(payloads[s]) for s in tiers)

@@ -10,9 +10,16 @@ code base chooses a status code.
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import grpc
+
+#: Trailing metadata of a RESOURCE_EXHAUSTED caused by resident claims (docs/claims.md): the
+#: blocking claim ids (comma-separated, the caller's own) and the capacity proof (JSON object
+#: with resident, active, usable, shortfall, unit, free). The status message says the same.
+BLOCKING_CLAIMS_KEY = "kv-sidecar-blocking-claim-ids"
+CAPACITY_PROOF_KEY = "kv-sidecar-capacity-proof"
 
 
 class SidecarError(Exception):
@@ -25,6 +32,18 @@ class SidecarError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+        #: Claim refusals (RESOURCE_EXHAUSTED): the caller's blocking claims and the proof.
+        self.blocking_claim_ids: tuple[str, ...] = ()
+        self.capacity_proof: dict | None = None
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Structured details sent as trailing metadata (the message carries them too)."""
+        if self.capacity_proof is None:
+            return ()
+        return (
+            (BLOCKING_CLAIMS_KEY, ",".join(self.blocking_claim_ids)),
+            (CAPACITY_PROOF_KEY, json.dumps(self.capacity_proof, sort_keys=True)),
+        )
 
 
 class InvalidArgument(SidecarError, ValueError):
@@ -102,11 +121,18 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
-def error_for_status(code: grpc.StatusCode, message: str) -> SidecarError:
-    """The typed client-side error for a status received from a server."""
+def error_for_status(code: grpc.StatusCode, message: str, trailers=()) -> SidecarError:
+    """The typed client-side error for a status received from a server (``trailers``: its
+    trailing metadata; claim refusals bring ``blocking_claim_ids`` and ``capacity_proof``)."""
     cls = _BY_CODE.get(code, SidecarError)
     if cls is SidecarError:
         err = SidecarError(f"{code.name}: {message}")
         err.code = code
-        return err
-    return cls(message)
+    else:
+        err = cls(message)
+    for key, value in trailers or ():
+        if key == BLOCKING_CLAIMS_KEY:
+            err.blocking_claim_ids = tuple(x for x in str(value).split(",") if x)
+        elif key == CAPACITY_PROOF_KEY:
+            err.capacity_proof = json.loads(value)
+    return err

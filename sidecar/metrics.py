@@ -45,6 +45,14 @@ kv_sidecar_shared_registry_reads_total          Lookups that made their one Redi
 kv_sidecar_shared_registry_found_total          peer chunks brought into the local registry
 kv_sidecar_shared_registry_published_total      records written; _dropped_total: queue overflow
 kv_sidecar_shared_registry_pending              records waiting to be published (gauge)
+kv_sidecar_claims{state}                        claims by state (gauge): submitted | accepted |
+                                                materialized | demoted | expired | refused |
+                                                harmed | released
+kv_sidecar_claim_events_total{event}            claim and arbitration events emitted, by type
+kv_sidecar_active_refusals_total                AdmitActive / Store refusals attributed to claims
+kv_sidecar_admit_refusals_total                 AdmitActive calls answered refused
+kv_sidecar_event_watchers_dropped_total         WatchEvents streams dropped with a gap
+kv_sidecar_pins_in_flight                       tier read pins held now (gauge; 0 when idle)
 kv_sidecar_cache_invariant_violations_total     broken invariants: alert on any non-zero
 kv_sidecar_build_info{version}                  1
 =============================================== =========================================
@@ -143,6 +151,29 @@ class _SharedRegistryCollector:
         yield GaugeMetricFamily(f"{p}_pending", "Records waiting to be published", value=sr.pending)
 
 
+class _ClaimsCollector:
+    """Claim states and event counts read from the ledger at scrape time."""
+
+    def __init__(self, ledger, store) -> None:
+        self._ledger = ledger
+        self._store = store
+
+    def collect(self):
+        ledger = self._ledger
+        states = GaugeMetricFamily("kv_sidecar_claims", "Claims by state", labels=["state"])
+        for state, n in ledger.states().items():
+            states.add_metric([state], n)
+        yield states
+        events = CounterMetricFamily("kv_sidecar_claim_events", "Claim and arbitration events by type", labels=["event"])
+        for event, n in sorted(ledger.events.counts.items()):
+            events.add_metric([event], n)
+        yield events
+        yield CounterMetricFamily(
+            "kv_sidecar_active_refusals", "Active work refused because of accepted claims", value=ledger.active_refusals
+        )
+        yield GaugeMetricFamily("kv_sidecar_pins_in_flight", "Tier read pins held now", value=self._store.pins_in_flight())
+
+
 class _SessionCollector:
     def __init__(self, table: "SessionTable") -> None:
         self._table = table
@@ -183,6 +214,12 @@ class Metrics:
         self.invariant_violations = Counter(
             "kv_sidecar_cache_invariant_violations", "Broken cache invariants (alert on any)", registry=r
         )
+        self.active_refusals = Counter(  # counted here by AdmitActive; the collector reports the ledger's total
+            "kv_sidecar_admit_refusals", "AdmitActive calls answered refused", registry=r
+        )
+        self.event_watchers_dropped = Counter(
+            "kv_sidecar_event_watchers_dropped", "WatchEvents streams dropped with a counted gap", registry=r
+        )
         self.build_info = Gauge("kv_sidecar_build_info", "Build information", ["version"], registry=r)
         self.build_info.labels(version=version).set(1)
         self._http = None
@@ -195,6 +232,9 @@ class Metrics:
 
     def watch_shared_registry(self, shared: "SharedRegistry") -> None:
         self.registry.register(_SharedRegistryCollector(shared))
+
+    def watch_claims(self, ledger, store) -> None:
+        self.registry.register(_ClaimsCollector(ledger, store))
 
     def watch_sessions(self, table: "SessionTable") -> None:
         self.registry.register(_SessionCollector(table))

@@ -11,6 +11,11 @@ the session table track each token's canonical stored copy (resolved by the data
 FetchSession streams a range of the session's current layout from those copies, each row
 rotated once from its canonical source position, framed like Fetch.
 
+Resident claims (docs/claims.md): Claim / ReleaseClaim / DemoteClaim / GetClaim /
+ReportPool / AdmitActive / WatchEvents go through ``ClaimsService``; the ledger is wired into
+the data plane (guards, materialization) and a background task expires claims. A claim refusal
+(RESOURCE_EXHAUSTED) carries its blocking claim ids and capacity proof as trailing metadata.
+
 Also served: gRPC health checking (``grpc.health.v1.Health``; NOT_SERVING during shutdown) and
 server reflection (grpcurl works without the proto), plus Prometheus on ``metrics_port``. A
 background task expires idle sessions and pending Splice plans (``directives.sweep_interval_s``).
@@ -37,7 +42,7 @@ from sidecar import __version__
 from sidecar.config import SidecarConfig
 from sidecar.dataplane import DataPlane
 from sidecar.directives import SessionTable
-from sidecar.errors import InvalidArgument, InvariantViolation, status_for
+from sidecar.errors import FailedPrecondition, InvalidArgument, InvariantViolation, SidecarError, status_for
 from sidecar.identity import SHARED_SCOPE
 from sidecar.manifest_service import ManifestService
 from sidecar.manifests import Outcome
@@ -49,6 +54,7 @@ from sidecar.registry.registry import InMemoryRegistry
 from sidecar.registry.shared import SharedRegistry
 from sidecar.splice_service import SpliceService
 from sidecar.auth.limits import TenantLimiter
+from sidecar.claims_service import ClaimsService
 from sidecar.auth.tls import server_credentials
 from sidecar.config import LOOPBACK_HOSTS
 from sidecar.tenancy import Tenancy
@@ -86,6 +92,7 @@ _METHODS = (
     "Lookup", "Store", "Fetch", "Evict", "Delete", "Stats", "Ping",
     "OpenSession", "AppendSession", "GetSession", "CloseSession", "Splice", "CommitSplice", "AbortSplice",
     "FetchSession", "ImportManifest", "GetWarmUpPlan", "ExportManifest",
+    "Claim", "ReleaseClaim", "DemoteClaim", "GetClaim", "ReportPool", "AdmitActive", "WatchEvents",
 )
 #: Streaming methods whose responses are pre-serialized frames (``fetch_frames``).
 _FRAMED = frozenset(("Fetch", "FetchSession"))
@@ -96,8 +103,66 @@ def _serialize_fetch(msg: pb.FetchResponse | pb.FetchSessionResponse | bytes) ->
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
+class _Undecodable:
+    """A request message that is not valid protobuf of its type (the deserializer never raises:
+    gRPC would answer UNKNOWN / INTERNAL and log an ERROR record for a client's bad bytes)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _lenient(cls: type) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError and friends: the client's bytes
+            return _Undecodable(f"request: not a valid {cls.DESCRIPTOR.full_name} message ({type(exc).__name__})")
+
+    return parse
+
+
+def _checked(servicer: pb_grpc.KVSidecarServicer, name: str, behaviour: Callable, client_streaming: bool,
+             server_streaming: bool) -> Callable:
+    """``behaviour`` behind a check for undecodable messages: INVALID_ARGUMENT, counted, nothing run."""
+    rejected = servicer.metrics.requests.labels(name, "INVALID_ARGUMENT")
+
+    async def refuse(context: grpc.aio.ServicerContext, bad: _Undecodable) -> None:
+        rejected.inc()
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad.error)
+
+    if client_streaming:  # Store: each message checked as it arrives; the handler's own error path applies
+        async def messages(it: AsyncIterator[Any]) -> AsyncIterator[Any]:
+            async for msg in it:
+                if isinstance(msg, _Undecodable):
+                    raise InvalidArgument(msg.error)
+                yield msg
+
+        async def stream_in(request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+            return await behaviour(messages(request_iterator), context)
+
+        return stream_in
+    if server_streaming:
+        async def stream_out(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if isinstance(request, _Undecodable):
+                await refuse(context, request)
+            async for msg in behaviour(request, context):
+                yield msg
+
+        return stream_out
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            await refuse(context, request)
+        return await behaviour(request, context)
+
+    return unary
+
+
 def _add_servicer(servicer: pb_grpc.KVSidecarServicer, server: grpc.aio.Server) -> None:
-    """Register every method of the service (as the generated code does), except that the
+    """Register every method of the service (as the generated code does), except that
+    undecodable request bytes become INVALID_ARGUMENT (``_lenient``, ``_checked``) and the
     serializers of Fetch and FetchSession accept pre-encoded frames so multi-MiB payload parts
     are copied once, not three times (bytes slice -> message -> wire)."""
     desc = pb.DESCRIPTOR.services_by_name["KVSidecar"]
@@ -111,9 +176,10 @@ def _add_servicer(servicer: pb_grpc.KVSidecarServicer, server: grpc.aio.Server) 
     for m in desc.methods:
         request_cls = getattr(pb, m.input_type.name)
         response_cls = getattr(pb, m.output_type.name)
-        handlers[m.name] = kinds[(m.client_streaming, m.server_streaming)](
-            getattr(servicer, m.name),
-            request_deserializer=request_cls.FromString,
+        kind = (m.client_streaming, m.server_streaming)
+        handlers[m.name] = kinds[kind](
+            _checked(servicer, m.name, getattr(servicer, m.name), *kind),
+            request_deserializer=_lenient(request_cls),
             response_serializer=_serialize_fetch if m.name in _FRAMED else response_cls.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
@@ -250,7 +316,8 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
         if code is grpc.StatusCode.INTERNAL:
             logger.exception("%s failed", method)
         self.metrics.requests.labels(method, code.name).inc()
-        await context.abort(code, message)
+        trailers = exc.trailing_metadata() if isinstance(exc, SidecarError) else ()
+        await context.abort(code, message, trailers)
 
     # ------------------------------------------------------------------------------ Lookup
 
@@ -462,19 +529,32 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
         if request.tier and request.tier not in TIER_NAMES:
             raise InvalidArgument(f"tier: unknown tier {request.tier!r} (one of {sorted(TIER_NAMES)})")
         keys = self.dataplane.owned_keys(tenant, request.chunk_hashes, self.tenancy.may_write_shared(tenant))
+        self._check_unclaimed(tenant, keys)
         return pb.EvictResponse(evicted=await self.dataplane.evict(keys, request.tier))
+
+    def _check_unclaimed(self, tenant: str, keys: list[int]) -> None:
+        """Evict/Delete of a chunk a live protecting claim holds would break it silently."""
+        holders = self.claims.ledger.obligated_holders(keys)
+        if holders:
+            own = sorted(c.claim_id for c in holders if c.tenant == tenant)
+            others = len(holders) - len(own)
+            raise FailedPrecondition(
+                f"chunk_hashes: held by live claims {own}" + (f" and {others} of other tenants" if others else "")
+                + "; release or demote them first"
+            )
 
     @_rpc("Delete")
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
         tenant = self.tenancy.resolve(context)
         keys = self.dataplane.owned_keys(tenant, request.chunk_hashes, self.tenancy.may_write_shared(tenant))
+        self._check_unclaimed(tenant, keys)
         return pb.DeleteResponse(deleted=await self.dataplane.delete(keys))
 
     # ------------------------------------------------------------------------------- Stats
 
     @_rpc("Stats")
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        self.tenancy.resolve(context)
+        tenant = self.tenancy.resolve(context)
         reg = self.index.registry
         st = reg.snapshot_stats()
         store_stats = await asyncio.to_thread(self.dataplane.store.stats)
@@ -503,6 +583,8 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
                 for t, ts in store_stats.tiers.items()
             ],
             checksum_failures=store_stats.checksum_failures,
+            pins_in_flight=self.dataplane.store.pins_in_flight(),
+            claims_active=self.claims.ledger.live_count(tenant),
         )
 
     async def Ping(self, request: pb.PingRequest, context: grpc.aio.ServicerContext) -> pb.PingResponse:
@@ -614,6 +696,48 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
         self.metrics.fetch_bytes.inc(nbytes)
         self._ok["FetchSession"].inc()
 
+    # ------------------------------------------------------------------------------ claims
+
+    @_rpc("Claim")
+    async def Claim(self, request: pb.ClaimRequest, context: grpc.aio.ServicerContext) -> pb.ClaimDecision:
+        tenant = self.tenancy.resolve(context)  # claiming shared chunks needs no write grant: caps bound it
+        identity = self.identities.get(request.identity, True) if request.HasField("identity") else None
+        return self.claims.claim(tenant, request, identity, self.config.max_prompt_tokens)
+
+    @_rpc("ReleaseClaim")
+    async def ReleaseClaim(self, request: pb.ReleaseClaimRequest, context: grpc.aio.ServicerContext) -> pb.ClaimInfo:
+        return self.claims.release(self.tenancy.resolve(context), request.claim_id)
+
+    @_rpc("DemoteClaim")
+    async def DemoteClaim(self, request: pb.DemoteClaimRequest, context: grpc.aio.ServicerContext) -> pb.ClaimInfo:
+        return self.claims.demote(self.tenancy.resolve(context), request.claim_id, request.reason)
+
+    @_rpc("GetClaim")
+    async def GetClaim(self, request: pb.GetClaimRequest, context: grpc.aio.ServicerContext) -> pb.ClaimInfo:
+        return self.claims.get(self.tenancy.resolve(context), request.claim_id)
+
+    @_rpc("ReportPool")
+    async def ReportPool(
+        self, request: pb.ReportPoolRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportPoolResponse:
+        self.tenancy.resolve(context)
+        return self.claims.report_pool(request)
+
+    @_rpc("AdmitActive")
+    async def AdmitActive(
+        self, request: pb.AdmitActiveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AdmitActiveResponse:
+        return self.claims.admit(self.tenancy.resolve(context), request)
+
+    @_streaming("WatchEvents")
+    async def WatchEvents(
+        self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ClaimEvent]:
+        tenant = self.tenancy.resolve(context)
+        async for ev in self.claims.watch(tenant, request):
+            yield ev
+        self._ok["WatchEvents"].inc()
+
     # ---------------------------------------------------------------------------- manifests
 
     @_rpc("ImportManifest")
@@ -691,6 +815,10 @@ class SidecarServer:
             config.manifests, self.index, self.dataplane, self.servicer.tenancy, self.metrics, config.max_prompt_tokens
         )
         self.servicer.manifests = self.manifests
+        self.claims = ClaimsService(config.claims, self.index, self.dataplane.store, self.sessions, self.metrics)
+        self.dataplane.claims = self.claims.ledger
+        self.servicer.claims = self.claims
+        self.metrics.watch_claims(self.claims.ledger, self.dataplane.store)
         opts = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -708,6 +836,7 @@ class SidecarServer:
         self.metrics_port = -1
         self._stopped = False
         self._sweeper: asyncio.Task | None = None
+        self._claim_sweeper: asyncio.Task | None = None
 
     async def start(self) -> int:
         cfg = self.config
@@ -740,6 +869,7 @@ class SidecarServer:
         await self.manifests.import_startup()  # warm start before the first request (logs what it did)
         await self.grpc.start()
         self._sweeper = asyncio.get_running_loop().create_task(self.sessions.run_sweeper(), name="session-expiry")
+        self._claim_sweeper = asyncio.get_running_loop().create_task(self.claims.run_sweeper(), name="claim-expiry")
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if self.shared_registry is not None:
             await self._start_shared_registry()
@@ -801,9 +931,10 @@ class SidecarServer:
         self._stopped = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.stop(self.config.grace_period_s if grace is None else grace)
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            await asyncio.gather(self._sweeper, return_exceptions=True)
+        for task in (self._sweeper, self._claim_sweeper):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await asyncio.to_thread(self.manifests.close)  # writes what the producer still buffers
         if self.shared_registry is not None:
             await self._set_registry_health(False)

@@ -40,6 +40,7 @@ from sidecar.identity import CacheIdentity
 from sidecar.registry.anchors import anchor_token_ids
 from sidecar.registry.plan import Fidelity, LookupPlan, Segment, SegmentKind
 from sidecar.rotation import RopeSpec
+from sidecar.v1 import sidecar_pb2 as pb
 
 from clients.transformers.attention import MIN_ROWS, NAME as INVARIANT_ATTENTION
 from clients.transformers.cache import SequenceCache
@@ -191,6 +192,40 @@ def _as_tokens(tokens: Any) -> np.ndarray:
     return arr.astype(np.uint32)
 
 
+@dataclass(frozen=True)
+class ActiveAdmission:
+    """Ask the sidecar before a large prefill (docs/claims.md, "What the engines do").
+
+    Before a prefill whose live KV (prompt + ``reserve``) is at least ``min_blocks`` blocks of
+    ``block_size`` tokens, the engine calls ``AdmitActive``: *admitted* runs; *deferred* waits
+    ``retry_after_s`` (``sleep``) and asks again, at most ``max_deferrals`` times, then raises
+    ``ActiveRefused``; *refused* raises ``ActiveRefused`` at once (with the blocking claim ids
+    and the capacity proof): the request is not run, so protected resident KV is never evicted
+    to make room for it. ``pool_blocks``: the engine's KV budget reported with ``ReportPool``
+    before each ask (None: report nothing, another party reports the pool). The reference
+    engine runs one sequence and holds claimed KV only through the sidecar, so it reports
+    ``hard_protection`` (victim exclusion is the sidecar's, C1)."""
+
+    min_blocks: int = 1
+    block_size: int = 16
+    pool_blocks: int | None = None
+    max_deferrals: int = 20
+    sleep: Any = time.sleep
+
+
+class ActiveRefused(RuntimeError):
+    """AdmitActive refused the request (or deferred it past ``max_deferrals``): not run."""
+
+    def __init__(self, request_id: str, decision: str, blocking: tuple[str, ...], proof: Any, reason: str) -> None:
+        super().__init__(
+            f"request {request_id} {decision} by the sidecar: {reason} (blocking claims {list(blocking)})"
+        )
+        self.request_id = request_id
+        self.decision = decision
+        self.blocking_claim_ids = blocking
+        self.proof = proof
+
+
 class Engine:
     """A single-sequence serving loop over a transformers causal LM, with the sidecar.
 
@@ -231,8 +266,11 @@ class Engine:
         max_prefill_tokens: int | None = None,
         weights_hash: str | None = None,
         tokenizer: Any | None = None,
+        admission: ActiveAdmission | None = None,
     ) -> None:
         self.model = model
+        self.admission = admission
+        self._requests = 0
         self.tokenizer = tokenizer
         #: chunker anchors for this model's chat template (empty without a tokenizer)
         self.anchor_token_ids: tuple[int, ...] = anchor_token_ids(tokenizer) if tokenizer is not None else ()
@@ -352,7 +390,33 @@ class Engine:
 
     # ------------------------------------------------------------------ the request path
 
+    def _admit(self, n_tokens: int) -> None:
+        """``ActiveAdmission``: AdmitActive before a large prefill (returns once admitted)."""
+        adm = self.admission
+        if adm is None or self.sidecar is None:
+            return
+        blocks = -(-n_tokens // adm.block_size)
+        if blocks < adm.min_blocks:
+            return
+        self._requests += 1
+        rid = f"{self.identity.namespace or 'engine'}-{self._requests}"
+        deferrals = 0
+        while True:
+            if adm.pool_blocks is not None:
+                self.sidecar.report_pool(usable_blocks=adm.pool_blocks, free_blocks=adm.pool_blocks,
+                                         block_size=adm.block_size, hard_protection=True, engine_id="transformers")
+            resp = self.sidecar.admit_active(rid, blocks)
+            decision = pb.AdmitDecision.Name(resp.decision).removeprefix("ADMIT_DECISION_").lower()
+            if decision == "admitted":
+                return
+            if decision == "deferred" and deferrals < adm.max_deferrals:
+                deferrals += 1
+                adm.sleep(resp.retry_after_s)
+                continue
+            raise ActiveRefused(rid, decision, tuple(resp.blocking_claim_ids), resp.proof, resp.reason)
+
     def _prefill(self, tokens: np.ndarray, reuse: ReusePolicy, reserve: int) -> PrefillResult:
+        self._admit(len(tokens) + reserve)  # raises ActiveRefused: the request is not run
         clock = time.perf_counter
         tm = Timings()
         t_start = clock()

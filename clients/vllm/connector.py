@@ -55,6 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from clients.vllm import directives
+from clients.vllm.admission import Admission
 from clients.vllm.claim import Claim, LoadItem, claim, store_chunks
 from clients.vllm.link import SidecarLink
 from clients.vllm.paged import BlockLayout, PagedKV, payload_bytes, payload_view, single_threaded
@@ -129,6 +130,9 @@ class _ReqState:
     #: span directives from kv_transfer_params (directives.py) and what the Splice did
     session: Any = None
     session_info: dict | None = None
+    #: resident-claim arbitration (admission.py): None until asked, then the answer
+    admission: dict | None = None
+    admitted: bool = False
 
     @property
     def n(self) -> int:
@@ -166,6 +170,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             self._gap_fills: dict[str, str] = {}  # gap-fill sub-request id -> parent id
             self._waiting_gap: dict[str, str] = {}  # parent id -> its running gap-fill id
             self._gap_rounds: Counter[str] = Counter()
+            self._admission = Admission(self) if self.settings.admission else None
         else:
             self._paged: PagedKV | None = None
             self._disabled: str = ""
@@ -376,6 +381,15 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
                 self.counters["splices" if st.session.directives else "sessions"] += 1
         if rid in self._waiting_gap:
             return None, False  # its gap-fill sub-request is still running
+        if self._admission is not None and not st.admitted and not st.gap_fill:
+            if st.n < self.settings.admit_min_tokens:
+                st.admitted = True
+            else:
+                st.admitted, answer = self._admission.admit(request, st.n, st.tenant)
+                if answer is not None:
+                    st.admission = answer
+                if not st.admitted:
+                    return None, False  # deferred or refused: vLLM keeps it waiting, asks next step
         if st.local != num_computed_tokens:
             self._lookup(st, num_computed_tokens)
         cl = st.claim
@@ -484,6 +498,8 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             if pst is not None and st is not None:
                 pst.sub_prefilled += st.n - max(st.local, 0) - st.loaded + st.sub_prefilled
         self._waiting_gap.pop(rid, None)
+        if self._admission is not None:
+            self._admission.forget(rid)
         rounds = self._gap_rounds.pop(rid, 0)
         if st is None:
             return False, None
@@ -515,6 +531,8 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         }
         if st.session_info is not None:
             info["session"] = st.session_info
+        if st.admission is not None:
+            info["admission"] = st.admission
         self.counters["planned_tokens"] += info["planned_tokens"]
         self.counters["claimed_tokens_finished"] += st.loaded
         self.counters["local_tokens"] += info["local_tokens"]

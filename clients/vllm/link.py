@@ -33,12 +33,15 @@ class SidecarLink:
         self.errors: Counter[str] = Counter()
 
     def client(self, tenant: str | None) -> SyncSidecarClient:
-        tenant = tenant or self.settings.tenant
+        # "" (mTLS with the tenant taken from the client certificate): no tenant header at all
+        tenant = tenant or self.settings.tenant or None
         with self._lock:
             c = self._clients.get(tenant)
             if c is None:
-                c = SyncSidecarClient(self.settings.target, tenant=tenant, token=self.settings.token,
-                                      timeout_s=self.settings.timeout_s, retry=RetryPolicy(attempts=1))
+                s = self.settings
+                c = SyncSidecarClient(s.target, tenant=tenant, token=s.token, timeout_s=s.timeout_s,
+                                      retry=RetryPolicy(attempts=1), tls=s.tls, root_ca=s.root_ca,
+                                      client_cert=s.client_cert, client_key=s.client_key)
                 self._clients[tenant] = c
             return c
 

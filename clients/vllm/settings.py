@@ -54,6 +54,12 @@ class Settings:
     after the prefill step), "sync", or "off". gap_fill / max_gap_fills / min_gap_run:
     the scheduler plug-in's gap-fill sub-requests (``scheduler.py``). retry_after_s: after a
     failed call, skip the sidecar this long (requests are prefilled meanwhile).
+    tls / root_ca / client_cert / client_key: TLS to the sidecar (PEM file paths; a client
+    certificate for mTLS; docs/operations.md, "TLS and mTLS").
+    admission / admit_min_tokens / admit_retry_s / admit_max_wait_s / engine_id: resident-claim
+    arbitration (``admission.py``): report the pool and ask ``AdmitActive`` before a prefill of
+    at least ``admit_min_tokens``; hold deferred or refused requests, re-asking at most every
+    ``admit_retry_s``, at most ``admit_max_wait_s``.
     """
 
     target: str
@@ -73,6 +79,15 @@ class Settings:
     model_id: str = ""
     namespace: str = ""
     rope_is_neox_style: bool | None = None
+    tls: bool = False
+    root_ca: str | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
+    admission: bool = False
+    admit_min_tokens: int = 2048
+    admit_retry_s: float = 0.05
+    admit_max_wait_s: float = 30.0
+    engine_id: str = ""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "Settings":

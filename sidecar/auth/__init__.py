@@ -1,20 +1,8 @@
-"""Who may call the sidecar and how much: bearer tokens stored hashed (``tokens``), TLS and
-mTLS with tenants taken from client certificates (``tls``), and per-tenant limits
-(``limits``). ``sidecar.tenancy.Tenancy`` is the entry point the server uses; this package
-holds the pieces it is built from and never imports the server or the client.
+"""Who may call the sidecar and how much: bearer tokens stored hashed (``sidecar.auth.tokens``),
+TLS and mTLS with tenants taken from client certificates (``sidecar.auth.tls``), and per-tenant
+limits (``sidecar.auth.limits``). ``sidecar.tenancy.Tenancy`` is the entry point the server
+uses; this package holds the pieces it is built from and never imports the server or the client.
+
+Import the modules themselves: this package imports nothing, so a client (an engine's
+environment, without the server's LMCache tiers) can use ``sidecar.auth.tls`` alone.
 """
-
-from sidecar.auth.limits import LimitsConfig, TenantLimits, TenantLimiter
-from sidecar.auth.tls import TenantSource, TlsConfig
-from sidecar.auth.tokens import TokenTable, generate_token, hash_token
-
-__all__ = [
-    "LimitsConfig",
-    "TenantLimiter",
-    "TenantLimits",
-    "TenantSource",
-    "TlsConfig",
-    "TokenTable",
-    "generate_token",
-    "hash_token",
-]

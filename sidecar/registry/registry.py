@@ -10,6 +10,10 @@ Recency is an ``OrderedDict`` (``move_to_end`` on hit or refresh, ``popitem(last
 evict): O(1), no allocation on the hit path. Capacity is bounded in entries and in bytes; the
 byte count is what an entry holds in memory (token bytes + left context + a fixed overhead).
 
+Resident claims: keys in ``protected`` (maintained by ``sidecar.claims``) are skipped by LRU
+eviction (a skipped entry moves to the most-recent end, so each eviction stays O(1) amortized);
+when only protected entries are left the registry stays over capacity rather than break a claim.
+
 Thread-safety: the registry is owned by the server's event loop; callers serialise access.
 Events (evictions) are a buffer the caller drains with ``take_events``.
 """
@@ -121,6 +125,8 @@ class InMemoryRegistry:
         self._events: list[RegistryEvent] = []
         self._scope_entries: dict[str, int] = {}
         self.stats = RegistryStats()
+        #: Keys LRU eviction must skip (claimed chunks); owned by the claims ledger.
+        self.protected: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -206,9 +212,17 @@ class InMemoryRegistry:
 
     def _evict_to_capacity(self) -> None:
         cfg = self.config
+        protected = self.protected
+        skipped = 0
         while len(self._entries) > cfg.capacity_entries or self._bytes > cfg.capacity_bytes:
             reason = "capacity_entries" if len(self._entries) > cfg.capacity_entries else "capacity_bytes"
-            _, victim = self._entries.popitem(last=False)
+            key, victim = self._entries.popitem(last=False)
+            if protected and key in protected:
+                self._entries[key] = victim  # back at the most-recent end
+                skipped += 1
+                if skipped > len(protected):
+                    return  # only claimed entries left: over capacity rather than break a claim
+                continue
             self._bytes -= victim.nbytes
             self._count(victim.scope, -1)
             self.stats.evictions += 1

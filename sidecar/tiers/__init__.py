@@ -90,7 +90,7 @@ from sidecar.tiers.config import RemoteEndpoint, StoreConfig, TenantQuota
 from sidecar.tiers.errors import CapacityError, QuotaExceededError, TierStoreError, TierUnavailableError
 from sidecar.tiers.events import EventKind, Reason, TierEvent
 from sidecar.tiers.stats import StoreStats, TierStats
-from sidecar.tiers.store import TieredStore
+from sidecar.tiers.store import Guard, TieredStore
 from sidecar.tiers.types import ChunkKey, ChunkMeta, FetchedChunk, PutResult, Tier, chunk_key
 
 __all__ = [
@@ -99,6 +99,7 @@ __all__ = [
     "ChunkMeta",
     "EventKind",
     "FetchedChunk",
+    "Guard",
     "KVPayloadView",
     "PartView",
     "PutResult",

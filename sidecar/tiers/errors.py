@@ -32,7 +32,8 @@ class CapacityError(TierStoreError):
     """No tier could take the chunk without dropping data it must not drop.
 
     ``tier`` is the tier the chunk was refused from last (``None`` when it fits no tier at all);
-    ``pinned_bytes`` are bytes held by in-flight readers that could not be evicted. Raised
+    ``pinned_bytes`` are bytes held by in-flight readers that could not be evicted;
+    ``guarded_bytes`` bytes that resident claims protect there. Raised
     instead of silently dropping the put (backpressure): the caller may retry later.
     """
 
@@ -45,6 +46,7 @@ class CapacityError(TierStoreError):
         capacity_bytes: int,
         pinned_bytes: int = 0,
         reason: str,
+        guarded_bytes: int = 0,
     ) -> None:
         self.tier = tier
         self.requested_bytes = requested_bytes
@@ -52,6 +54,8 @@ class CapacityError(TierStoreError):
         self.capacity_bytes = capacity_bytes
         self.pinned_bytes = pinned_bytes
         self.reason = reason
+        #: Bytes of the tier that resident claims keep from being victims (``Guard``).
+        self.guarded_bytes = guarded_bytes
         where = tier.value if tier is not None else "any tier"
         super().__init__(
             f"no room in {where} for {requested_bytes} B ({reason}): used {used_bytes} B of "

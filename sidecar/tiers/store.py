@@ -21,10 +21,16 @@ on the shared remote tier)::
   reader. A promotion is skipped rather than waited for when a writer is busy.
 * Every change the caller did not directly ask for is reported by ``take_events()``; a chunk
   whose bytes are gone or corrupt is a miss (``None``), never an exception.
+* Guards (resident claims, ``sidecar.claims``): ``set_guards`` marks chunks ``Guard.SOFT``
+  (a second chance: skipped once as a victim), ``Guard.NO_DROP`` (may be demoted, never dropped
+  from the last tier: the claim stays restorable) or ``Guard.HOLD`` (never demoted nor dropped).
+  Victim selection skips them with one dict lookup per candidate; a put that only guarded
+  chunks block is refused with ``CapacityError`` whose ``guarded_bytes`` says so.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import threading
@@ -85,6 +91,15 @@ class _Entry:
 
     def fastest(self) -> Tier | None:
         return self.local if self.local is not None else (Tier.REMOTE if self.remote else None)
+
+
+class Guard(enum.IntEnum):
+    """How a claimed chunk may be chosen as a victim (see the module docstring)."""
+
+    NONE = 0
+    SOFT = 1
+    NO_DROP = 2
+    HOLD = 3
 
 
 class _NoRoom(Exception):
@@ -163,6 +178,11 @@ class TieredStore:
         # Remote copies this store is deleting: not looked up as "foreign" chunks meanwhile (a
         # RESP GET of a key deleted after its EXISTS hangs the connection until the timeout).
         self._remote_removing: Counter[ChunkKey] = Counter()
+        self._guards: dict[ChunkKey, Guard] = {}
+        self._second_chance: set[ChunkKey] = set()  # SOFT chunks already given their extra lap
+        # Footprint of HOLD / NO_DROP chunks per tier, kept up to date by _attach, _detach and
+        # set_guards, so the guarded share of a full tier is O(1) on every Store.
+        self._guard_fp: dict[Guard, Counter[Tier]] = {Guard.HOLD: Counter(), Guard.NO_DROP: Counter()}
         if self._disk is not None:
             self._recover()
 
@@ -254,6 +274,59 @@ class TieredStore:
         """Payload bytes of ``tenant``'s chunks held anywhere (what ``max_bytes`` bounds)."""
         with self._lock:
             return self._tenant_bytes[tenant]
+
+    def set_guards(self, guards: dict[bytes, "Guard"]) -> None:
+        """Set (``Guard.NONE``: clear) the guard of each key. Keys need not be held yet: a
+        guard applies from the chunk's first put on. Cheap (index lock, one dict write each)."""
+        with self._lock:
+            for key, g in guards.items():
+                key = _check_key(key)
+                e = self._entries.get(key)
+                if e is not None:
+                    self._account_guard(e, -1)
+                if g:
+                    self._guards[key] = Guard(g)
+                else:
+                    self._guards.pop(key, None)
+                self._second_chance.discard(key)
+                if e is not None:
+                    self._account_guard(e, +1)
+
+    def _account_guard(self, e: _Entry, sign: int) -> None:
+        """Add (``sign`` +1) or remove ``e``'s copies from the guarded footprints. Index lock held."""
+        fp = self._guard_fp.get(self._guards.get(e.key, Guard.NONE))
+        if fp is None:
+            return
+        for tier in e.tiers():
+            fp[tier] += sign * self._footprint(tier, e.obj_nbytes)
+
+    def guarded_bytes(self, tier: Tier) -> int:
+        """Footprint of ``tier``'s chunks that victim selection may not take there."""
+        with self._lock:
+            return self._guarded_bytes(Tier(tier)) if Tier(tier) in self._lru else 0
+
+    def capacity_of(self, tier: Tier) -> int:
+        return self._capacity.get(Tier(tier), 0)
+
+    def object_footprint(self, payload_nbytes: int) -> int:
+        """Bytes a new chunk of ``payload_nbytes`` takes in the fastest tier."""
+        return self._footprint(self._chain[0], object_nbytes(payload_nbytes)) if self._chain else 0
+
+    def room(self, need: int) -> tuple[int, int, int] | None:
+        """None when ``need`` more bytes fit the tiers' free space; otherwise (capacity, used,
+        guarded) over all tiers, ``guarded`` being what victim selection may never take (the
+        resident claims' share; kept incrementally, O(tiers))."""
+        with self._lock:
+            cap = sum(self._capacity.values())
+            used = sum(self._used.values())
+            if used + need <= cap:
+                return None
+            return cap, used, sum(self._guarded_bytes(t) for t in self._chain)
+
+    def pins_in_flight(self) -> int:
+        """Read pins held right now (each ``get_many`` releases its own on every path)."""
+        with self._lock:
+            return self._active_reads
 
     def take_events(self) -> list[TierEvent]:
         """Drain placement events in the order they happened (see ``sidecar.tiers.events``)."""
@@ -361,6 +434,7 @@ class TieredStore:
                         capacity_bytes=self._capacity[tier] if tier is not None else 0,
                         pinned_bytes=self._pinned_bytes(tier) if tier is not None else 0,
                         reason=last.reason if last is not None else "larger than any tier",
+                        guarded_bytes=self._guarded_bytes(tier) if tier is not None else 0,
                     )
             entry = self._entries[key]
             published = self._publish(entry) if publish else entry.remote
@@ -393,13 +467,16 @@ class TieredStore:
                 break
         self._counters.capacity_refusals += 1
         tier = next((t for t in self._chain if self._footprint(t, obj_nbytes) <= self._capacity[t]), None)
+        guarded = self._guarded_bytes(tier) if tier is not None else 0
         raise CapacityError(
             tier=tier,
             requested_bytes=obj_nbytes,
             used_bytes=self._used[tier] if tier is not None else 0,
             capacity_bytes=self._capacity[tier] if tier is not None else max(self._capacity.values()),
             pinned_bytes=self._pinned_bytes(tier) if tier is not None else 0,
-            reason="pinned by readers" if tier is not None else "larger than any tier",
+            reason=("held by resident claims" if guarded else "pinned by readers") if tier is not None
+            else "larger than any tier",
+            guarded_bytes=guarded,
         )
 
     def _reclaimable(self, tier: Tier, fp: int, tenant: str) -> bool:
@@ -409,13 +486,13 @@ class TieredStore:
         tenant_deficit = self._tenant_used[(tenant, tier)] + fp - share if share is not None else 0
         if deficit > 0:
             for e in self._lru[tier].values():
-                if not self._busy(e, tier):
+                if not self._busy(e, tier) and self._may_take(e, tier, final=True):
                     deficit -= self._footprint(tier, e.obj_nbytes)
                     if deficit <= 0:
                         break
         if tenant_deficit > 0:
             for e in self._tenant_lru.get((tenant, tier), {}).values():
-                if not self._busy(e, tier):
+                if not self._busy(e, tier) and self._may_take(e, tier, final=True):
                     tenant_deficit -= self._footprint(tier, e.obj_nbytes)
                     if tenant_deficit <= 0:
                         break
@@ -429,6 +506,12 @@ class TieredStore:
             return False
         self._cv.wait(remaining)
         return True
+
+    def _guarded_bytes(self, tier: Tier) -> int:
+        """Footprint in ``tier`` that victim selection may never take (HOLD anywhere, NO_DROP
+        in the last tier). O(1)."""
+        held = self._guard_fp[Guard.HOLD][tier]
+        return held + self._guard_fp[Guard.NO_DROP][tier] if tier == self._chain[-1] else held
 
     def _pinned_bytes(self, tier: Tier) -> int:
         return sum(self._footprint(tier, e.obj_nbytes) for e in self._lru[tier].values() if self._busy(e, tier))
@@ -856,7 +939,24 @@ class TieredStore:
     def _busy(e: _Entry, tier: Tier) -> bool:
         return e.moving or tier in e.readers
 
+    def _may_take(self, e: _Entry, tier: Tier, *, final: bool = False) -> bool:
+        """Whether victim selection may move ``e`` out of ``tier`` (its guard allows it).
+        ``final``: a planning question (could it be taken at all), where SOFT counts as
+        takeable; otherwise a SOFT chunk is takeable once it used its second chance (see
+        ``_pick_victim``). Index lock held."""
+        g = self._guards.get(e.key)
+        if not g:
+            return True
+        if g is Guard.HOLD:
+            return False
+        if g is Guard.NO_DROP:
+            # demotion keeps it restorable; the last tier would drop it
+            return tier != self._chain[-1]
+        return final or e.key in self._second_chance
+
     def _touch(self, e: _Entry, tier: Tier) -> None:
+        if self._second_chance:
+            self._second_chance.discard(e.key)
         self._lru[tier].move_to_end(e.key)
         self._tenant_lru[(e.tenant, tier)].move_to_end(e.key)
 
@@ -873,6 +973,10 @@ class TieredStore:
         self._tenant_lru.setdefault((e.tenant, tier), OrderedDict())[e.key] = e
         self._used[tier] += fp
         self._tenant_used[(e.tenant, tier)] += fp
+        if self._guards:
+            g = self._guard_fp.get(self._guards.get(e.key, Guard.NONE))
+            if g is not None:
+                g[tier] += fp
 
     def _detach(self, e: _Entry, tier: Tier) -> None:
         """Forget the copy of ``e`` in ``tier`` (the bytes are removed separately)."""
@@ -883,6 +987,10 @@ class TieredStore:
             assert e.local == tier, f"{e.key.hex()} is in {e.local}, not {tier}; placement bug"
             e.local = None
         fp = self._footprint(tier, e.obj_nbytes)
+        if self._guards:
+            g = self._guard_fp.get(self._guards.get(e.key, Guard.NONE))
+            if g is not None:
+                g[tier] -= fp
         del self._lru[tier][e.key]
         lru = self._tenant_lru[(e.tenant, tier)]
         del lru[e.key]
@@ -922,10 +1030,21 @@ class TieredStore:
 
     def _pick_victim(self, tier: Tier, tenant: str | None) -> _Entry | None:
         lru = self._lru[tier] if tenant is None else self._tenant_lru.get((tenant, tier), {})
+        victim = None
+        lapped: list[_Entry] = []
         for e in lru.values():
-            if not self._busy(e, tier):
-                return e
-        return None
+            if self._busy(e, tier):
+                continue
+            if self._may_take(e, tier):
+                victim = e
+                break
+            if self._guards.get(e.key) is Guard.SOFT:
+                lapped.append(e)
+        for e in lapped:  # CLOCK-style second chance: one more lap at the most-recent end
+            self._second_chance.add(e.key)
+            self._lru[tier].move_to_end(e.key)
+            self._tenant_lru[(e.tenant, tier)].move_to_end(e.key)
+        return victim if victim is not None or not lapped else self._pick_victim(tier, tenant)
 
     def _make_room(self, tier: Tier, fp: int, tenant: str) -> None:
         """Demote LRU chunks out of ``tier`` until ``fp`` more bytes fit it and the tenant's

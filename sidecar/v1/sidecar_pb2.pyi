@@ -47,6 +47,30 @@ class OpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OP_KIND_ROTATE: _ClassVar[OpKind]
     OP_KIND_MOVE: _ClassVar[OpKind]
     OP_KIND_REFRESH: _ClassVar[OpKind]
+
+class ClaimMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CLAIM_MODE_UNSPECIFIED: _ClassVar[ClaimMode]
+    CLAIM_MODE_SOFT_PRIORITY: _ClassVar[ClaimMode]
+    CLAIM_MODE_HARD_PROTECTED: _ClassVar[ClaimMode]
+    CLAIM_MODE_DEMOTABLE: _ClassVar[ClaimMode]
+    CLAIM_MODE_OFFLOADABLE: _ClassVar[ClaimMode]
+    CLAIM_MODE_EXPIRING: _ClassVar[ClaimMode]
+    CLAIM_MODE_BEST_EFFORT: _ClassVar[ClaimMode]
+
+class ClaimDecisionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CLAIM_DECISION_UNSPECIFIED: _ClassVar[ClaimDecisionKind]
+    CLAIM_DECISION_ACCEPTED: _ClassVar[ClaimDecisionKind]
+    CLAIM_DECISION_REJECTED: _ClassVar[ClaimDecisionKind]
+    CLAIM_DECISION_CONDITIONALLY_ACCEPTED: _ClassVar[ClaimDecisionKind]
+
+class AdmitDecision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADMIT_DECISION_UNSPECIFIED: _ClassVar[AdmitDecision]
+    ADMIT_DECISION_ADMITTED: _ClassVar[AdmitDecision]
+    ADMIT_DECISION_DEFERRED: _ClassVar[AdmitDecision]
+    ADMIT_DECISION_REFUSED: _ClassVar[AdmitDecision]
 ADMISSION_POLICY_UNSPECIFIED: AdmissionPolicy
 ADMISSION_POLICY_EXACT: AdmissionPolicy
 ADMISSION_POLICY_POSITION_INDEPENDENT: AdmissionPolicy
@@ -70,6 +94,21 @@ OP_KIND_PREFILL: OpKind
 OP_KIND_ROTATE: OpKind
 OP_KIND_MOVE: OpKind
 OP_KIND_REFRESH: OpKind
+CLAIM_MODE_UNSPECIFIED: ClaimMode
+CLAIM_MODE_SOFT_PRIORITY: ClaimMode
+CLAIM_MODE_HARD_PROTECTED: ClaimMode
+CLAIM_MODE_DEMOTABLE: ClaimMode
+CLAIM_MODE_OFFLOADABLE: ClaimMode
+CLAIM_MODE_EXPIRING: ClaimMode
+CLAIM_MODE_BEST_EFFORT: ClaimMode
+CLAIM_DECISION_UNSPECIFIED: ClaimDecisionKind
+CLAIM_DECISION_ACCEPTED: ClaimDecisionKind
+CLAIM_DECISION_REJECTED: ClaimDecisionKind
+CLAIM_DECISION_CONDITIONALLY_ACCEPTED: ClaimDecisionKind
+ADMIT_DECISION_UNSPECIFIED: AdmitDecision
+ADMIT_DECISION_ADMITTED: AdmitDecision
+ADMIT_DECISION_DEFERRED: AdmitDecision
+ADMIT_DECISION_REFUSED: AdmitDecision
 
 class CacheIdentity(_message.Message):
     __slots__ = ("model_id", "weights_hash", "tokenizer_hash", "kv_layout", "rope_fingerprint", "block_size", "namespace")
@@ -332,7 +371,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., bytes: _Optional[int] = ..., objects: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "registry", "lookups", "lookup_tokens", "recovered_prefix_tokens", "recovered_exact_tokens", "recovered_shifted_tokens", "prefill_tokens", "uptime_s", "tiers", "checksum_failures")
+    __slots__ = ("version", "registry", "lookups", "lookup_tokens", "recovered_prefix_tokens", "recovered_exact_tokens", "recovered_shifted_tokens", "prefill_tokens", "uptime_s", "tiers", "checksum_failures", "pins_in_flight", "claims_active")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REGISTRY_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -344,6 +383,8 @@ class StatsResponse(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    PINS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    CLAIMS_ACTIVE_FIELD_NUMBER: _ClassVar[int]
     version: str
     registry: RegistryStats
     lookups: int
@@ -355,7 +396,9 @@ class StatsResponse(_message.Message):
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     checksum_failures: int
-    def __init__(self, version: _Optional[str] = ..., registry: _Optional[_Union[RegistryStats, _Mapping]] = ..., lookups: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., recovered_prefix_tokens: _Optional[int] = ..., recovered_exact_tokens: _Optional[int] = ..., recovered_shifted_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., checksum_failures: _Optional[int] = ...) -> None: ...
+    pins_in_flight: int
+    claims_active: int
+    def __init__(self, version: _Optional[str] = ..., registry: _Optional[_Union[RegistryStats, _Mapping]] = ..., lookups: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., recovered_prefix_tokens: _Optional[int] = ..., recovered_exact_tokens: _Optional[int] = ..., recovered_shifted_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., checksum_failures: _Optional[int] = ..., pins_in_flight: _Optional[int] = ..., claims_active: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()
@@ -640,3 +683,185 @@ class ExportManifestResponse(_message.Message):
     LINES_FIELD_NUMBER: _ClassVar[int]
     lines: bytes
     def __init__(self, lines: _Optional[bytes] = ...) -> None: ...
+
+class CapacityProof(_message.Message):
+    __slots__ = ("resident", "active", "usable", "shortfall", "unit", "free")
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    USABLE_FIELD_NUMBER: _ClassVar[int]
+    SHORTFALL_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    resident: int
+    active: int
+    usable: int
+    shortfall: int
+    unit: str
+    free: int
+    def __init__(self, resident: _Optional[int] = ..., active: _Optional[int] = ..., usable: _Optional[int] = ..., shortfall: _Optional[int] = ..., unit: _Optional[str] = ..., free: _Optional[int] = ...) -> None: ...
+
+class ClaimRequest(_message.Message):
+    __slots__ = ("claim_id", "identity", "chunk_hashes", "tokens", "session_id", "predicate_min_tokens", "mode", "duration_s", "footprint_blocks", "shared")
+    CLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PREDICATE_MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    FOOTPRINT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    claim_id: str
+    identity: CacheIdentity
+    chunk_hashes: _containers.RepeatedScalarFieldContainer[int]
+    tokens: bytes
+    session_id: str
+    predicate_min_tokens: int
+    mode: ClaimMode
+    duration_s: float
+    footprint_blocks: int
+    shared: bool
+    def __init__(self, claim_id: _Optional[str] = ..., identity: _Optional[_Union[CacheIdentity, _Mapping]] = ..., chunk_hashes: _Optional[_Iterable[int]] = ..., tokens: _Optional[bytes] = ..., session_id: _Optional[str] = ..., predicate_min_tokens: _Optional[int] = ..., mode: _Optional[_Union[ClaimMode, str]] = ..., duration_s: _Optional[float] = ..., footprint_blocks: _Optional[int] = ..., shared: bool = ...) -> None: ...
+
+class ClaimInfo(_message.Message):
+    __slots__ = ("claim_id", "mode", "state", "footprint_blocks", "footprint_bytes", "predicate_min_tokens", "leading_tokens", "surviving_chunks", "total_chunks", "materialized", "expires_in_s", "reason", "chunk_hashes")
+    CLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FOOTPRINT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FOOTPRINT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREDICATE_MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEADING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SURVIVING_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    MATERIALIZED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    claim_id: str
+    mode: ClaimMode
+    state: str
+    footprint_blocks: int
+    footprint_bytes: int
+    predicate_min_tokens: int
+    leading_tokens: int
+    surviving_chunks: int
+    total_chunks: int
+    materialized: bool
+    expires_in_s: float
+    reason: str
+    chunk_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, claim_id: _Optional[str] = ..., mode: _Optional[_Union[ClaimMode, str]] = ..., state: _Optional[str] = ..., footprint_blocks: _Optional[int] = ..., footprint_bytes: _Optional[int] = ..., predicate_min_tokens: _Optional[int] = ..., leading_tokens: _Optional[int] = ..., surviving_chunks: _Optional[int] = ..., total_chunks: _Optional[int] = ..., materialized: bool = ..., expires_in_s: _Optional[float] = ..., reason: _Optional[str] = ..., chunk_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ClaimDecision(_message.Message):
+    __slots__ = ("decision", "reason", "claim")
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
+    decision: ClaimDecisionKind
+    reason: str
+    claim: ClaimInfo
+    def __init__(self, decision: _Optional[_Union[ClaimDecisionKind, str]] = ..., reason: _Optional[str] = ..., claim: _Optional[_Union[ClaimInfo, _Mapping]] = ...) -> None: ...
+
+class ReleaseClaimRequest(_message.Message):
+    __slots__ = ("claim_id",)
+    CLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    claim_id: str
+    def __init__(self, claim_id: _Optional[str] = ...) -> None: ...
+
+class DemoteClaimRequest(_message.Message):
+    __slots__ = ("claim_id", "reason")
+    CLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    claim_id: str
+    reason: str
+    def __init__(self, claim_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class GetClaimRequest(_message.Message):
+    __slots__ = ("claim_id",)
+    CLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    claim_id: str
+    def __init__(self, claim_id: _Optional[str] = ...) -> None: ...
+
+class ReportPoolRequest(_message.Message):
+    __slots__ = ("usable_blocks", "free_blocks", "block_size", "hard_protection", "engine_id")
+    USABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HARD_PROTECTION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    usable_blocks: int
+    free_blocks: int
+    block_size: int
+    hard_protection: bool
+    engine_id: str
+    def __init__(self, usable_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., hard_protection: bool = ..., engine_id: _Optional[str] = ...) -> None: ...
+
+class ReportPoolResponse(_message.Message):
+    __slots__ = ("protected_resident_blocks",)
+    PROTECTED_RESIDENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    protected_resident_blocks: int
+    def __init__(self, protected_resident_blocks: _Optional[int] = ...) -> None: ...
+
+class AdmitActiveRequest(_message.Message):
+    __slots__ = ("request_id", "active_live_blocks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_LIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    active_live_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., active_live_blocks: _Optional[int] = ...) -> None: ...
+
+class AdmitActiveResponse(_message.Message):
+    __slots__ = ("decision", "blocking_claim_ids", "blocking_other_tenants", "proof", "demoted_claim_ids", "reason", "retry_after_s")
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    BLOCKING_CLAIM_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKING_OTHER_TENANTS_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    DEMOTED_CLAIM_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    decision: AdmitDecision
+    blocking_claim_ids: _containers.RepeatedScalarFieldContainer[str]
+    blocking_other_tenants: int
+    proof: CapacityProof
+    demoted_claim_ids: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    retry_after_s: float
+    def __init__(self, decision: _Optional[_Union[AdmitDecision, str]] = ..., blocking_claim_ids: _Optional[_Iterable[str]] = ..., blocking_other_tenants: _Optional[int] = ..., proof: _Optional[_Union[CapacityProof, _Mapping]] = ..., demoted_claim_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("since_seq", "follow")
+    SINCE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    since_seq: int
+    follow: bool
+    def __init__(self, since_seq: _Optional[int] = ..., follow: bool = ...) -> None: ...
+
+class ClaimEvent(_message.Message):
+    __slots__ = ("seq", "event", "claim_id", "request_id", "time", "blocking_claim_ids", "proof", "leading_tokens", "predicate_min_tokens", "reason", "gap", "mode")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    BLOCKING_CLAIM_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    LEADING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICATE_MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    GAP_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    event: str
+    claim_id: str
+    request_id: str
+    time: float
+    blocking_claim_ids: _containers.RepeatedScalarFieldContainer[str]
+    proof: CapacityProof
+    leading_tokens: int
+    predicate_min_tokens: int
+    reason: str
+    gap: int
+    mode: ClaimMode
+    def __init__(self, seq: _Optional[int] = ..., event: _Optional[str] = ..., claim_id: _Optional[str] = ..., request_id: _Optional[str] = ..., time: _Optional[float] = ..., blocking_claim_ids: _Optional[_Iterable[str]] = ..., proof: _Optional[_Union[CapacityProof, _Mapping]] = ..., leading_tokens: _Optional[int] = ..., predicate_min_tokens: _Optional[int] = ..., reason: _Optional[str] = ..., gap: _Optional[int] = ..., mode: _Optional[_Union[ClaimMode, str]] = ...) -> None: ...

@@ -124,6 +124,41 @@ class KVSidecarStub(object):
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.ExportManifestRequest.SerializeToString,
                 response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ExportManifestResponse.FromString,
                 _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/Claim',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ClaimDecision.FromString,
+                _registered_method=True)
+        self.ReleaseClaim = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/ReleaseClaim',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.ReleaseClaimRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ClaimInfo.FromString,
+                _registered_method=True)
+        self.DemoteClaim = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/DemoteClaim',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.DemoteClaimRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ClaimInfo.FromString,
+                _registered_method=True)
+        self.GetClaim = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/GetClaim',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.GetClaimRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ClaimInfo.FromString,
+                _registered_method=True)
+        self.ReportPool = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/ReportPool',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.ReportPoolRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ReportPoolResponse.FromString,
+                _registered_method=True)
+        self.AdmitActive = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/AdmitActive',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.AdmitActiveRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.AdmitActiveResponse.FromString,
+                _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/sidecar.v1.KVSidecar/WatchEvents',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ClaimEvent.FromString,
+                _registered_method=True)
 
 
 class KVSidecarServicer(object):
@@ -248,6 +283,50 @@ class KVSidecarServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Claim(self, request, context):
+        """Resident claims (docs/claims.md): a claim is a promise with a lifecycle; engines report
+        their pool and ask before a large prefill; WatchEvents streams claim and arbitration events.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseClaim(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DemoteClaim(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetClaim(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportPool(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AdmitActive(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVSidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -340,6 +419,41 @@ def add_KVSidecarServicer_to_server(servicer, server):
                     servicer.ExportManifest,
                     request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ExportManifestRequest.FromString,
                     response_serializer=sidecar_dot_v1_dot_sidecar__pb2.ExportManifestResponse.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ClaimRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.ClaimDecision.SerializeToString,
+            ),
+            'ReleaseClaim': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseClaim,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ReleaseClaimRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.ClaimInfo.SerializeToString,
+            ),
+            'DemoteClaim': grpc.unary_unary_rpc_method_handler(
+                    servicer.DemoteClaim,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.DemoteClaimRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.ClaimInfo.SerializeToString,
+            ),
+            'GetClaim': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetClaim,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.GetClaimRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.ClaimInfo.SerializeToString,
+            ),
+            'ReportPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportPool,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ReportPoolRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.ReportPoolResponse.SerializeToString,
+            ),
+            'AdmitActive': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdmitActive,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.AdmitActiveRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.AdmitActiveResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.WatchEventsRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.ClaimEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -828,6 +942,195 @@ class KVSidecar(object):
             '/sidecar.v1.KVSidecar/ExportManifest',
             sidecar_dot_v1_dot_sidecar__pb2.ExportManifestRequest.SerializeToString,
             sidecar_dot_v1_dot_sidecar__pb2.ExportManifestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/Claim',
+            sidecar_dot_v1_dot_sidecar__pb2.ClaimRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.ClaimDecision.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseClaim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/ReleaseClaim',
+            sidecar_dot_v1_dot_sidecar__pb2.ReleaseClaimRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.ClaimInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DemoteClaim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/DemoteClaim',
+            sidecar_dot_v1_dot_sidecar__pb2.DemoteClaimRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.ClaimInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetClaim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/GetClaim',
+            sidecar_dot_v1_dot_sidecar__pb2.GetClaimRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.ClaimInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/ReportPool',
+            sidecar_dot_v1_dot_sidecar__pb2.ReportPoolRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.ReportPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdmitActive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/AdmitActive',
+            sidecar_dot_v1_dot_sidecar__pb2.AdmitActiveRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.AdmitActiveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/WatchEvents',
+            sidecar_dot_v1_dot_sidecar__pb2.WatchEventsRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.ClaimEvent.FromString,
             options,
             channel_credentials,
             insecure,

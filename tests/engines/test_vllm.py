@@ -239,3 +239,71 @@ def test_claim_rules():
     q = plan([(P, 0, 300, 0, 0, 0, N), (H, 300, 400, 7, 0, 100, A)], bounds=(0, 100, 300, 400))
     assert store_chunks(q, None, n=400) == [(0, 100), (100, 300)]
     assert store_chunks(q, None, n=400, skip_tail=True) == [(0, 100), (100, 300)]
+
+
+def test_admission_holds_a_request_a_hard_claim_blocks(model_dir, prompts):
+    """Resident claims on vLLM (clients/vllm/admission.py): a hard claim larger than vLLM's pool
+    makes the sidecar refuse the request's active blocks; the connector holds the request
+    (vLLM's "ask again") and re-asks until ``admit_max_wait_s``, then serves it, because vLLM has
+    no connector API to reject a request. The answer names the blocking claim and carries the
+    capacity proof's reason; the output is vLLM's plain output."""
+    from bench.harness import server_python, sidecar_process
+    from sidecar.client import SyncSidecarClient
+    from sidecar.identity import CacheIdentity
+
+    with sidecar_process("--set", "chunker.anchor_tokens=[1]", python=server_python()) as target:
+        ident = CacheIdentity(model_id="resident-pool", kv_layout="any", rope_fingerprint="any")
+        with SyncSidecarClient(target, tenant="team-a") as c:
+            d = c.claim("system-prompt", identity=ident, mode="hard_protected", tokens=prompts["w"],
+                        footprint_blocks=1_000_000, duration_s=600)
+            assert d.claim.claim_id == "system-prompt" and d.claim.state == "accepted", d
+        held = dict(admission=True, admit_min_tokens=256, admit_max_wait_s=2.0, admit_retry_s=0.2)
+        out = run_engine(_spec(model_dir, target, [{"prompt_token_ids": prompts["p1"], "max_tokens": MAX_TOKENS}],
+                               **held))
+        with SyncSidecarClient(target, tenant="team-a") as c:
+            assert c.release_claim("system-prompt").state == "released"
+        after = run_engine(_spec(model_dir, target, [{"prompt_token_ids": prompts["x"], "max_tokens": 4}], **held))
+    adm = after["results"][0]["sidecar"]["admission"]
+    assert adm["decision"] == "admitted" and adm["waited_s"] == 0 and not adm["blocking_claim_ids"], adm
+    r = out["results"][0]
+    adm = r["sidecar"]["admission"]
+    assert adm["decision"] == "refused" and adm["overridden"] is True, adm
+    assert "system-prompt" in adm["blocking_claim_ids"], adm
+    assert adm["waited_s"] >= 2.0 and "infeasible" in adm["reason"], adm
+    sched = out["scheduler_stats"]
+    assert sched["admission_refused"] >= 2 and sched["admission_overridden"] == 1, sched
+    assert r["ttft_s"] >= 2.0  # held while refused
+
+
+def test_connector_over_mtls_acts_as_the_certificate_tenant(model_dir, prompts, tmp_path):
+    """The connector with ``tls`` + a client certificate against a sidecar that requires mTLS and
+    takes the tenant from the certificate's CN: the Lookup and the Store go through, and the
+    chunks land in the certificate's tenant (visible to that tenant, not to another)."""
+    from bench.harness import server_python, sidecar_process
+    from sidecar.client import SyncSidecarClient
+    from tests.tenancy.certs import CA
+
+    ca = CA(tmp_path)
+    server, engine = ca.server(), ca.issue("engine", cn="team-cert", client=True)
+    other = ca.issue("other", cn="team-other", client=True)
+    tls = ["--set", f"tls.cert_file={server.cert}", "--set", f"tls.key_file={server.key}",
+           "--set", f"tls.client_ca_file={ca.cert_file}", "--set", "tls.require_client_cert=true",
+           "--set", "tls.tenant_from_cert=cn"]
+    with sidecar_process("--set", "chunker.anchor_tokens=[1]", *tls, python=server_python()) as target:
+        out = run_engine(_spec(model_dir, target, [{"prompt_token_ids": prompts["p1"], "max_tokens": 4}],
+                               tenant="", root_ca=str(ca.cert_file), client_cert=str(engine.cert),
+                               client_key=str(engine.key)))
+        info = out["results"][0]["sidecar"]
+        assert info["plan_ok"] and info["store_chunks"] > 0, (
+            info, out["scheduler_stats"], [ln for ln in out["log"].splitlines() if "sidecar" in ln][-5:])
+        assert not any(k.startswith("error:") for k in out["scheduler_stats"]), out["scheduler_stats"]
+        # a fresh engine with the same certificate reuses what the first stored; another tenant's does not
+        spec = [{"prompt_token_ids": prompts["p1"], "max_tokens": 4}]
+        again = run_engine(_spec(model_dir, target, spec, tenant="", root_ca=str(ca.cert_file),
+                                 client_cert=str(engine.cert), client_key=str(engine.key)))
+        foreign = run_engine(_spec(model_dir, target, spec, tenant="", root_ca=str(ca.cert_file),
+                                   client_cert=str(other.cert), client_key=str(other.key)))
+    assert again["results"][0]["sidecar"]["claimed_tokens"] > 0.8 * len(prompts["p1"])
+    assert again["results"][0]["token_ids"] == out["results"][0]["token_ids"]
+    assert foreign["results"][0]["sidecar"]["claimed_tokens"] == 0
+    assert foreign["results"][0]["sidecar"]["plan_ok"] is True  # answered, with nothing of team-cert's

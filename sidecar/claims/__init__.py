@@ -1,0 +1,18 @@
+"""Resident claims (ARCHITECTURE.md, "Resident claims"; docs/claims.md).
+
+``model`` (modes, states, decisions, C1), ``ledger`` (the claim table, references, guards,
+expiry, materialization), ``arbitration`` (engine-pool feasibility and the capacity proof),
+``events`` (bounded buffer with per-watcher cursors), ``config`` (the ``claims:`` section).
+"""
+
+from sidecar.claims.arbitration import Admission, Admit, PoolReport, arbitrate
+from sidecar.claims.config import ClaimsConfig
+from sidecar.claims.events import EVENT_TYPES, ClaimEvent, EventLog
+from sidecar.claims.ledger import ClaimBlocked, ClaimLedger
+from sidecar.claims.model import CapacityProof, Claim, Conformance, Decision, Mode, State, classify_lowering
+
+__all__ = [
+    "Admission", "Admit", "CapacityProof", "Claim", "ClaimBlocked", "ClaimEvent", "ClaimLedger", "ClaimsConfig",
+    "Conformance", "Decision", "EVENT_TYPES", "EventLog", "Mode", "PoolReport", "State", "arbitrate",
+    "classify_lowering",
+]
