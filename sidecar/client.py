@@ -634,7 +634,8 @@ class SidecarClient(_ClientBase):
     async def evict(self, chunk_hashes: Sequence[int], *, tier: str = "") -> int:
         resp = await self._call(
             lambda: self._stub.Evict(pb.EvictRequest(chunk_hashes=list(chunk_hashes), tier=tier),
-                                     metadata=self._metadata, timeout=self._timeout)
+                                     metadata=self._metadata, timeout=self._timeout),
+            idempotent=False,  # each call demotes one tier: a retry would demote twice
         )
         return resp.evicted
 
@@ -871,7 +872,8 @@ class SyncSidecarClient(_ClientBase):
     def evict(self, chunk_hashes: Sequence[int], *, tier: str = "") -> int:
         return self._call(
             lambda: self._stub.Evict(pb.EvictRequest(chunk_hashes=list(chunk_hashes), tier=tier),
-                                     metadata=self._metadata, timeout=self._timeout)
+                                     metadata=self._metadata, timeout=self._timeout),
+            idempotent=False,  # each call demotes one tier: a retry would demote twice
         ).evicted
 
     def delete(self, chunk_hashes: Sequence[int]) -> int:

@@ -54,15 +54,18 @@ class AuthConfig:
     (``sidecar.auth.tokens``). With no tokens configured, requests are not authenticated,
     ``x-tenant-id`` is taken as given, and the server binds to loopback only (unless client
     certificates name the tenant, ``tls.tenant_from_cert``). ``shared_writers`` may store into
-    the ``shared`` scope (operator-granted).
+    the ``shared`` scope (operator-granted). ``operators`` see the whole server in ``Stats``
+    (every other tenant sees its own share only).
     """
 
     tokens: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     shared_writers: tuple[str, ...] = ()
+    operators: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", {str(k): tuple(v) for k, v in dict(self.tokens).items()})
         object.__setattr__(self, "shared_writers", tuple(self.shared_writers))
+        object.__setattr__(self, "operators", tuple(self.operators))
         for entry, tenants in self.tokens.items():
             parse_entry(entry)  # ValueError naming a malformed sha256: entry
             if not tenants or not all(isinstance(t, str) and t for t in tenants):
@@ -127,6 +130,23 @@ class DirectivesConfig:
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class WireConfig:
+    """Bounds on every request message, checked as it is decoded (``sidecar.wire.RequestLimits``):
+    a request past one is refused with INVALID_ARGUMENT naming the field and the limit, before
+    any handler runs. Token and payload bytes have their own limits (``max_prompt_tokens``,
+    Store's layout x tokens sizes); Fetch items ``max_fetch_items``."""
+
+    #: UTF-8 bytes of any string field (identity fields, session / plan / claim / request ids, ...)
+    max_string_bytes: int = 4096
+    #: entries of any repeated field (chunk hash lists, directives, Fetch items, layout parts, ...)
+    max_repeated: int = 65_536
+
+    def __post_init__(self) -> None:
+        if self.max_string_bytes <= 0 or self.max_repeated <= 0:
+            raise ValueError("wire.max_string_bytes and wire.max_repeated must be positive")
+
+
 #: ``default_recompute_tokens`` out of the box (docs/fidelity.md: the real-model sweep).
 DEFAULT_RECOMPUTE_TOKENS = 4
 
@@ -158,7 +178,11 @@ class SidecarConfig:
     shared_registry: SharedRegistryConfig = field(default_factory=SharedRegistryConfig)
     manifests: ManifestsConfig = field(default_factory=ManifestsConfig)
     claims: ClaimsConfig = field(default_factory=ClaimsConfig)
+    wire: WireConfig = field(default_factory=WireConfig)
     max_fetch_items: int = 4096
+    #: payload bytes one Fetch may answer (every item counted, duplicates too); more is refused
+    #: whole, before anything is read (RESOURCE_EXHAUSTED naming ``max_fetch_bytes``)
+    max_fetch_bytes: int = 1 << 30
     fetch_part_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
@@ -170,6 +194,8 @@ class SidecarConfig:
             raise ValueError("max_prompt_tokens must be positive")
         if self.grace_period_s < 0:
             raise ValueError("grace_period_s must be >= 0")
+        if self.max_fetch_bytes <= 0:
+            raise ValueError("max_fetch_bytes must be positive")
         object.__setattr__(self, "default_policy", AdmissionPolicy(self.default_policy))
         if not 0 <= self.default_left_context_window <= self.registry.left_context_tokens:
             raise ValueError(
@@ -239,8 +265,18 @@ def build(cls: type, values: Mapping[str, Any]) -> Any:
     unknown = set(values) - set(fields)
     if unknown:
         raise ValueError(f"unknown {cls.__name__} setting(s): {sorted(unknown)}")
-    kwargs = {k: _coerce(hints[k], v) for k, v in values.items()}
-    return cls(**kwargs)
+    kwargs = {}
+    for k, v in values.items():
+        try:
+            kwargs[k] = _coerce(hints[k], v)
+        except (TypeError, ValueError, OverflowError) as e:
+            # Only ValueError leaves, naming the field (tests/fuzz: a null `chunker.mask_bits`
+            # raised TypeError from int()).
+            raise ValueError(f"{k}: {e}") from None
+    try:
+        return cls(**kwargs)
+    except (TypeError, OverflowError) as e:
+        raise ValueError(f"{cls.__name__}: {e}") from None
 
 
 def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -256,8 +292,10 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree
-    for p in parts[:-1]:
+    for i, p in enumerate(parts[:-1]):
         node = node.setdefault(p, {})
+        if not isinstance(node, dict):  # e.g. {"chunker": 0, "chunker.min_size": 8}
+            raise ValueError(f"{'.'.join(parts[:i + 1])}: expected a section (mapping), got {node!r}")
     node[parts[-1]] = value
 
 

@@ -47,7 +47,7 @@ import asyncio
 import functools
 import logging
 import struct
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,6 +64,7 @@ from sidecar.tiers import (
     CapacityError,
     ChunkMeta,
     EventKind,
+    FetchedChunk,
     QuotaExceededError,
     StoreConfig,
     TieredStore,
@@ -76,6 +77,8 @@ logger = logging.getLogger(__name__)
 
 _AUX = struct.Struct("<BxxxIQI16s")  # version, source_pos, prefix_digest, num_tokens, token digest
 _AUX_VERSION = 1
+#: Fetch reads chunks in windows of about this many payload bytes (not all items at once)
+_FETCH_WINDOW_BYTES = 32 << 20
 _MAX_AUX_CONTEXT = 1024 - _AUX.size
 
 
@@ -165,6 +168,10 @@ class DataPlane:
         #: Store also copies each chunk to the remote tier, for peers (shared registry).
         self.publish_remote = False
         self.claims = None  # sidecar.claims.ClaimLedger, set by the server
+        #: called with the reason of every registry eviction (the server counts them:
+        #: kv_sidecar_registry_evictions_total{reason})
+        self.on_registry_eviction: Callable[[str], None] | None = None
+        self._events_dropped_seen = 0
 
     # ------------------------------------------------------------------ consistency
 
@@ -178,7 +185,7 @@ class DataPlane:
                 logger.warning("chunk %s has no usable registry metadata; deleting it", meta.key.hex())
                 self.store.delete([meta.key])
                 continue
-            entry.tier = self._tier_of(meta.key)
+            reg.set_state(entry, entry.state, self._tier_of(meta.key))  # not registered yet
             if reg.insert(entry):
                 n += 1
         self.sync()
@@ -191,18 +198,42 @@ class DataPlane:
         return tier.value if tier is not None else None
 
     def sync(self) -> None:
-        """Apply store events to the registry and registry evictions to the store."""
-        reg = self.index.registry
-        claims = self.claims
-        watched = claims.watched if claims is not None else {}
+        """Apply store events to the registry and registry evictions to the store. Blocks on
+        tier I/O (the deletes wait for the tiers' writer lock, held across disk and Redis I/O):
+        for startup and worker threads; coroutines ``await synced()``."""
+        dropped, touched = self._registry_drops()
+        if dropped:
+            self.store.delete(dropped)
+        self._apply_store_events(touched)
+
+    async def synced(self) -> None:
+        """``sync`` for coroutines on the event loop: the same steps in the same order, with the
+        deletes of registry-evicted payloads in a worker thread (the registry, which has already
+        dropped those entries, and the event drain stay on the loop)."""
+        dropped, touched = self._registry_drops()
+        if dropped:
+            await asyncio.to_thread(self.store.delete, dropped)
+        self._apply_store_events(touched)
+
+    def _registry_drops(self) -> tuple[list[bytes], list[int]]:
+        """Drain registry evictions: (store keys whose payload goes with them, claimed keys touched)."""
+        watched = self.claims.watched if self.claims is not None else {}
         touched: list[int] = []
         dropped: list[bytes] = []
-        for ev in reg.take_events():
+        counted = self.on_registry_eviction
+        for ev in self.index.registry.take_events():
             dropped.append(chunk_key(ev.key))
             if ev.key in watched:
                 touched.append(ev.key)
-        if dropped:
-            self.store.delete(dropped)
+            if counted is not None:
+                counted(ev.reason)
+        return dropped, touched
+
+    def _apply_store_events(self, touched: list[int]) -> None:
+        """Drain store events into the registry (state, tier); hand claimed keys to the ledger."""
+        reg = self.index.registry
+        claims = self.claims
+        watched = claims.watched if claims is not None else {}
         counts = self.counters.events
         for ev in self.store.take_events():
             counts[ev.kind.value] = counts.get(ev.kind.value, 0) + 1
@@ -213,14 +244,55 @@ class DataPlane:
             if entry is None:
                 continue
             if not ev.tiers_after or ev.kind is EventKind.DELETED:
-                entry.state = EntryState.OBSERVED
-                entry.tier = None
+                reg.set_state(entry, EntryState.OBSERVED, None)
             else:
-                entry.tier = min(ev.tiers_after, key=_TIER_RANK.__getitem__).value
+                reg.set_state(entry, entry.state, min(ev.tiers_after, key=_TIER_RANK.__getitem__).value)
+        dropped_events = self.store.stats().events_dropped
+        if dropped_events != self._events_dropped_seen:
+            self._events_dropped_seen = dropped_events
+            touched.extend(self._resync())
         if touched:
             claims.on_keys(touched)
 
+    def _resync(self) -> list[int]:
+        """The tier event buffer overflowed (events were lost): re-read where every chunk lives
+        from the store and correct the registry's state and tier (O(entries); rare). Returns
+        the keys whose state changed."""
+        where: dict[int, str] = {}
+        for meta in self.store.list_chunks():
+            h = int.from_bytes(meta.key, "big")
+            tier = self.store.locate(meta.key)
+            if tier is not None:
+                where[h] = tier.value
+        changed = []
+        reg = self.index.registry
+        for entry in reg.entries():
+            tier = where.get(entry.key)
+            if entry.state is EntryState.RESIDENT and tier is None:
+                reg.set_state(entry, EntryState.OBSERVED, None)
+                changed.append(entry.key)
+            elif tier is not None and (entry.state is not EntryState.RESIDENT or entry.tier != tier):
+                if entry.state is EntryState.RESIDENT:
+                    reg.set_state(entry, EntryState.RESIDENT, tier)
+                else:
+                    continue  # metadata-only entry: its KV came back only through a Store
+                changed.append(entry.key)
+        self.counters.events["resync"] = self.counters.events.get("resync", 0) + 1
+        return changed
+
     # ------------------------------------------------------------------ store
+
+    def store_entries(
+        self, tokens: np.ndarray, data: bytes, identity: CacheIdentity, scope: str, layout: KVLayout,
+        register_from: int,
+    ) -> tuple[list[ChunkEntry], int]:
+        """The entries a Store of ``tokens`` would register (every chunk at or after
+        ``register_from``, fresh objects, nothing registered) and the end of the last one. A
+        payload part may only name one of their ``source_pos``, with ``num_tokens x
+        layout.bytes_per_token`` bytes in all. Raises FailedPrecondition if ``identity`` does
+        not name ``layout``."""
+        check_layout(identity, layout)
+        return self.index.entries(tokens, data, identity, scope, register_from=register_from)
 
     async def store_payloads(
         self,
@@ -232,14 +304,18 @@ class DataPlane:
         layout: KVLayout,
         payloads: dict[int, bytearray],
         register_from: int,
+        chunked: tuple[list[ChunkEntry], int] | None = None,
     ) -> StoreOutcome:
         """Validate every payload against the chunking and layout, store them, then register.
 
+        ``chunked``: what ``store_entries`` returned for the same arguments (the server
+        computes it from the header, to check each part as it arrives); computed if None.
         All-or-nothing: on any refusal the chunks this call stored are deleted again."""
-        check_layout(identity, layout)
         index = self.index
         # Entries (metadata) for every chunk past register_from, payload or not.
-        listed, end = index.entries(tokens, data, identity, scope, register_from=register_from)
+        listed, end = chunked if chunked is not None else self.store_entries(
+            tokens, data, identity, scope, layout, register_from
+        )
         entries = {e.source_pos: e for e in listed}
         per_token = layout.bytes_per_token
         for start, buf in payloads.items():
@@ -284,7 +360,7 @@ class DataPlane:
                 except CapacityError as exc:
                     if self.claims is None:
                         raise
-                    self.sync()  # guards may have moved chunks: the ledger must see where they are
+                    await self.synced()  # guards may have moved chunks: the ledger must see where they are
                     verdict = self.claims.store_refusal(exc, tenant, sum(self.store.object_footprint(len(payloads[s])) for s in order))
                     if verdict is True:
                         result = await asyncio.to_thread(put)  # demotable claims relaxed: once more
@@ -325,26 +401,23 @@ class DataPlane:
                 if canonical is not None:
                     # The tiers kept an earlier copy: the entry must describe where THAT copy was
                     # computed, or Fetch would rotate it by the wrong delta.
-                    e.source_pos, e.prefix_digest, e.left_context = (
-                        canonical.source_pos, canonical.prefix_digest, canonical.left_context
-                    )
-                e.state = EntryState.RESIDENT
-                e.tier = tiers[start]
+                    reg.update(e, source_pos=canonical.source_pos, prefix_digest=canonical.prefix_digest,
+                               left_context=canonical.left_context)
+                reg.set_state(e, EntryState.RESIDENT, tiers[start])
                 if old is not None and old.matches(e.tokens) and (
                     old.state is not EntryState.RESIDENT or canonical is not None
                 ):
                     # An OBSERVED entry may have been registered at another position: the payload
                     # just stored (or the one the tiers held) is the canonical copy now.
-                    old.source_pos, old.prefix_digest, old.left_context = e.source_pos, e.prefix_digest, e.left_context
-                    old.state = EntryState.RESIDENT
-                    old.tier = tiers[start]
+                    reg.update(old, source_pos=e.source_pos, prefix_digest=e.prefix_digest, left_context=e.left_context)
+                    reg.set_state(old, EntryState.RESIDENT, tiers[start])
             if reg.insert(e):
                 registered += 1
                 new.append(e)
             else:
                 refreshed += 1
         index.announce(identity, new)
-        self.sync()
+        await self.synced()
         if self.claims is not None:
             watched = self.claims.watched
             mine = [e.key for e in entries.values() if e.key in watched]
@@ -373,53 +446,142 @@ class DataPlane:
         rope,  # RopeSpec | None
         items: Sequence[tuple[int, int]],
         raw: bool,
+        max_bytes: int | None = None,
     ) -> list[FetchResult]:
-        """Payloads for ``items`` in order, rotated to their target positions unless ``raw``.
+        """``fetch_stream`` collected into a list (tests, small callers)."""
+        return [r async for r in self.fetch_stream(tenant, identity, layout, rope, items, raw, max_bytes)]
+
+    async def fetch_stream(
+        self,
+        tenant: str,
+        identity: CacheIdentity,
+        layout: KVLayout,
+        rope,  # RopeSpec | None
+        items: Sequence[tuple[int, int]],
+        raw: bool,
+        max_bytes: int | None = None,
+    ) -> AsyncIterator[FetchResult]:
+        """Payloads for ``items`` in order, rotated to their target positions unless ``raw``,
+        yielded one item at a time.
 
         An item whose chunk is unknown, belongs to another scope, or whose bytes are gone is a
         miss (``payload`` None). Nothing is changed except tier promotions (the Lookup that
-        planned these hits already refreshed their registry recency and hit counts)."""
+        planned these hits already refreshed their registry recency and hit counts).
+
+        Memory: chunks are read in windows of about ``_FETCH_WINDOW_BYTES``; a chunk named by
+        several items is read once and kept only until its last item (one rotated copy per
+        distinct delta), so 4,096 copies of one chunk cost one read, not 4,096. Results that
+        share a chunk and delta share their payload: callers must not write to it.
+        ``max_bytes``: the answered payload bytes (every hit item counted) may not exceed it,
+        checked before anything is read (ResourceExhausted naming ``max_fetch_bytes``).
+        Validation errors are raised before the first result."""
         check_layout(identity, layout)
         reg = self.index.registry
-        results = [FetchResult(index=i) for i in range(len(items))]
-        wanted: list[tuple[int, ChunkEntry]] = []
-        for i, (h, target) in enumerate(items):
-            e = reg.peek(h)
-            if e is None or e.state is not EntryState.RESIDENT or e.scope not in (tenant, SHARED_SCOPE):
-                continue
-            results[i].entry = e
-            results[i].delta = target - e.source_pos
-            wanted.append((i, e))
-        if any(r.delta for r in results if r.entry is not None) and not raw:
+        per_token = layout.bytes_per_token
+        entries: dict[int, ChunkEntry] = {}
+        plan: list[tuple[int, ChunkEntry | None, int]] = []  # (hash, entry or None, delta) per item
+        total = 0
+        shifted = False
+        for h, target in items:
+            e = entries.get(h)
+            if e is None:
+                e = reg.peek(h)
+                if e is None or e.state is not EntryState.RESIDENT or e.scope not in (tenant, SHARED_SCOPE):
+                    plan.append((h, None, 0))
+                    continue
+                entries[h] = e
+            delta = target - e.source_pos
+            shifted = shifted or bool(delta)
+            total += e.num_tokens * per_token
+            plan.append((h, e, delta))
+        if shifted and not raw:
             if rope is None:
                 raise InvalidArgument("rope: required to rotate shifted chunks (or set raw)")
             check_rope(identity, layout, rope)
-        fetched = await asyncio.to_thread(self.store.get_many, [chunk_key(e.key) for _, e in wanted]) if wanted else []
-        for (i, e), got in zip(wanted, fetched):
-            r = results[i]
-            # got.meta.scope: the bytes must have been stored under the entry's scope (a 64-bit key
-            # collision across scopes must not serve one tenant's KV to another).
-            if got is None or got.meta.num_tokens != e.num_tokens or got.meta.layout_fingerprint != layout.fingerprint() \
-                    or got.meta.scope != e.scope:
-                r.entry = None
-                if got is None and e.tier == Tier.REMOTE.value and not self.store.contains(chunk_key(e.key)):
-                    # A peer's chunk (shared registry) whose remote copy is gone: stop planning it.
-                    e.state, e.tier = EntryState.OBSERVED, None
-                continue
-            r.payload = got.payload
-            r.tier = got.tier.value
-        to_rotate = [r for r in results if r.payload is not None and r.delta and not raw]
-        if to_rotate:
-            self.counters.rotated_bytes += await asyncio.to_thread(_rotate_all, to_rotate, layout, rope, self.counters)
-        for r in results:
-            if r.payload is None:
-                self.counters.fetch_misses += 1
-            else:
-                self.counters.fetched_chunks += 1
-                self.counters.fetched_bytes += r.payload.numel()
-                r.rotated = bool(r.delta) and not raw
-        self.sync()
-        return results
+        if max_bytes is not None and total > max_bytes:
+            raise ResourceExhausted(
+                f"max_fetch_bytes: the hits of this Fetch hold {total} payload bytes, more than {max_bytes}; "
+                "split it into smaller Fetches"
+            )
+        # Uses left of each chunk (raw payload) and of each (chunk, delta) (its rotated copy).
+        left: dict[int, int] = {}
+        left_rot: dict[tuple[int, int], int] = {}
+        for h, e, delta in plan:
+            if e is not None:
+                left[h] = left.get(h, 0) + 1
+                if delta and not raw:
+                    left_rot[(h, delta)] = left_rot.get((h, delta), 0) + 1
+        held: dict[int, FetchedChunk | None] = {}  # chunks read, kept until their last item
+        rotated: dict[tuple[int, int], torch.Tensor] = {}
+        counters = self.counters
+        try:
+            i = 0
+            while i < len(plan):
+                # The next window: items until the chunks still to read reach the window size.
+                j, want, size = i, [], 0
+                while j < len(plan) and (j == i or size < _FETCH_WINDOW_BYTES):
+                    h, e, _ = plan[j]
+                    if e is not None and h not in held and h not in want:
+                        want.append(h)
+                        size += e.num_tokens * per_token
+                    j += 1
+                if want:
+                    got = await asyncio.to_thread(self.store.get_many, [chunk_key(h) for h in want])
+                    for h, g in zip(want, got):
+                        held[h] = self._checked_chunk(entries[h], g, layout)
+                window: list[FetchResult] = []
+                to_rotate: list[FetchResult] = []
+                for k in range(i, j):
+                    h, e, delta = plan[k]
+                    r = FetchResult(index=k)
+                    window.append(r)
+                    g = held.get(h) if e is not None else None
+                    if g is not None:
+                        r.entry, r.delta, r.tier = e, delta, g.tier.value
+                        if delta and not raw:
+                            r.rotated = True
+                            copy = rotated.get((h, delta))
+                            if copy is None:
+                                # In place when no other use of the raw payload is left.
+                                own = left[h] == left_rot[(h, delta)]
+                                copy = rotated[(h, delta)] = g.payload if own else g.payload.clone()
+                                r.payload = copy
+                                to_rotate.append(r)
+                            r.payload = copy
+                        else:
+                            r.payload = g.payload
+                    if e is not None:
+                        left[h] -= 1
+                        if not left[h]:
+                            held.pop(h, None)
+                        if delta and not raw:
+                            left_rot[(h, delta)] -= 1
+                            if not left_rot[(h, delta)]:
+                                rotated.pop((h, delta), None)
+                if to_rotate:
+                    counters.rotated_bytes += await asyncio.to_thread(_rotate_all, to_rotate, layout, rope, counters)
+                for r in window:
+                    if r.payload is None:
+                        counters.fetch_misses += 1
+                    else:
+                        counters.fetched_chunks += 1
+                        counters.fetched_bytes += r.payload.numel()
+                    yield r
+                i = j
+        finally:
+            await self.synced()
+
+    def _checked_chunk(self, e: ChunkEntry, got: FetchedChunk | None, layout: KVLayout) -> FetchedChunk | None:
+        """``got`` if it is the entry's chunk as the caller's layout reads it, else None (a miss)."""
+        # got.meta.scope: the bytes must have been stored under the entry's scope (a 64-bit key
+        # collision across scopes must not serve one tenant's KV to another).
+        if got is None or got.meta.num_tokens != e.num_tokens or got.meta.layout_fingerprint != layout.fingerprint() \
+                or got.meta.scope != e.scope:
+            if got is None and e.tier == Tier.REMOTE.value and not self.store.contains(chunk_key(e.key)):
+                # A peer's chunk (shared registry) whose remote copy is gone: stop planning it.
+                self.index.registry.set_state(e, EntryState.OBSERVED, None)
+            return None
+        return got
 
     # ------------------------------------------------------------------ held sessions
 
@@ -536,7 +698,7 @@ class DataPlane:
                 got.meta.layout_fingerprint == layout.fingerprint()
             ) and got.meta.scope == e.scope:
                 chunks[h] = (e, got.payload, got.tier.value)
-        self.sync()
+        await self.synced()
         for i, h in enumerate(runs.chunk_hash.tolist()):
             if h not in chunks:
                 a = int(runs.target_pos[i])
@@ -565,7 +727,7 @@ class DataPlane:
             t = Tier(tier)
             keys = [k for k in keys if t in self.store.tiers_of(k)]
         n = await asyncio.to_thread(self.store.evict, keys) if keys else 0
-        self.sync()
+        await self.synced()
         return n
 
     async def delete(self, hashes: Sequence[int]) -> int:
@@ -579,7 +741,7 @@ class DataPlane:
             self.index.publisher.unpublish(gone)
         await asyncio.to_thread(self.store.delete, [chunk_key(h) for h in hashes])
         reg.take_events()
-        self.sync()
+        await self.synced()
         return n
 
     def close(self) -> None:

@@ -11,6 +11,9 @@ code base chooses a status code.
 from __future__ import annotations
 
 import json
+import linecache
+import os
+import sys
 import uuid
 
 import grpc
@@ -112,11 +115,36 @@ _BY_CODE: dict[grpc.StatusCode, type[SidecarError]] = {
 }
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))  # sidecar/, installed or not
+
+
+def _raised_by_the_project(exc: BaseException) -> bool:
+    """Whether ``exc`` left a ``raise`` statement of this project's own code (its validation),
+    rather than a library (torch, numpy; also C code, whose errors surface at the calling line):
+    a ValueError / TypeError from a library reaching the edge is a bug here, not the caller's."""
+    tb = exc.__traceback__
+    if tb is None:
+        return True  # constructed and handed over, never raised through a library
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    if not path.startswith(_PACKAGE + os.sep):
+        return False
+    return linecache.getline(path, tb.tb_lineno).lstrip().startswith("raise")
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status and message for an exception raised by domain code."""
+    """The gRPC status and message for an exception raised by domain code.
+
+    ``ValueError`` / ``TypeError`` raised by the project's own code are caller mistakes
+    (INVALID_ARGUMENT); raised deep inside a library they are bugs (INTERNAL). The tiers'
+    ``TierUnavailableError`` (a closed store, a failed backend) is UNAVAILABLE."""
     if isinstance(exc, SidecarError):
         return exc.code, exc.message
-    if isinstance(exc, (ValueError, TypeError)):
+    tiers = sys.modules.get("sidecar.tiers.errors")  # loaded wherever the tiers run (the server)
+    if tiers is not None and isinstance(exc, tiers.TierUnavailableError):
+        return grpc.StatusCode.UNAVAILABLE, f"tiers unavailable: {exc}"
+    if isinstance(exc, (ValueError, TypeError)) and _raised_by_the_project(exc):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 

@@ -30,6 +30,7 @@ import logging
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -63,6 +64,7 @@ from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 from sidecar.wire import (
     IdentityCache,
+    RequestLimits,
     layout_from_wire,
     plan_to_wire,
     policy_from_wire,
@@ -96,6 +98,8 @@ _METHODS = (
 )
 #: Streaming methods whose responses are pre-serialized frames (``fetch_frames``).
 _FRAMED = frozenset(("Fetch", "FetchSession"))
+#: tenants whose Lookup totals Stats keeps (least recently active dropped past it)
+_TENANT_TOTALS = 4096
 
 
 def _serialize_fetch(msg: pb.FetchResponse | pb.FetchSessionResponse | bytes) -> bytes:
@@ -104,8 +108,9 @@ def _serialize_fetch(msg: pb.FetchResponse | pb.FetchSessionResponse | bytes) ->
 
 
 class _Undecodable:
-    """A request message that is not valid protobuf of its type (the deserializer never raises:
-    gRPC would answer UNKNOWN / INTERNAL and log an ERROR record for a client's bad bytes)."""
+    """A request message that is not valid protobuf of its type, or is past a ``wire`` limit
+    (the deserializer never raises: gRPC would answer UNKNOWN / INTERNAL and log an ERROR
+    record for a client's bad bytes)."""
 
     __slots__ = ("error",)
 
@@ -113,12 +118,16 @@ class _Undecodable:
         self.error = error
 
 
-def _lenient(cls: type) -> Callable[[bytes], Any]:
+def _lenient(cls: type, limits: RequestLimits) -> Callable[[bytes], Any]:
     def parse(data: bytes) -> Any:
         try:
-            return cls.FromString(data)
+            msg = cls.FromString(data)
         except Exception as exc:  # noqa: BLE001 - DecodeError and friends: the client's bytes
             return _Undecodable(f"request: not a valid {cls.DESCRIPTOR.full_name} message ({type(exc).__name__})")
+        # String / repeated field bounds (wire.*), refused like undecodable bytes: before any
+        # handler sees (or caches) the oversized value.
+        err = limits.error(msg)
+        return msg if err is None else _Undecodable(err)
 
     return parse
 
@@ -173,13 +182,15 @@ def _add_servicer(servicer: pb_grpc.KVSidecarServicer, server: grpc.aio.Server) 
         (True, True): grpc.stream_stream_rpc_method_handler,
     }
     handlers = {}
+    wire = servicer.config.wire
+    limits = RequestLimits(wire.max_string_bytes, wire.max_repeated)
     for m in desc.methods:
         request_cls = getattr(pb, m.input_type.name)
         response_cls = getattr(pb, m.output_type.name)
         kind = (m.client_streaming, m.server_streaming)
         handlers[m.name] = kinds[kind](
             _checked(servicer, m.name, getattr(servicer, m.name), *kind),
-            request_deserializer=_lenient(request_cls),
+            request_deserializer=_lenient(request_cls, limits),
             response_serializer=_serialize_fetch if m.name in _FRAMED else response_cls.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
@@ -295,6 +306,8 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
         self._ok = {m: metrics.requests.labels(m, "OK") for m in _METHODS}
         self._lookup_counters = {}
         self.totals = {"lookups": 0, "lookup_tokens": 0, "prefix": 0, "exact": 0, "shifted": 0, "prefill": 0}
+        #: the same per tenant (its own Stats), least recently active dropped past the bound
+        self.tenant_totals: OrderedDict[str, dict[str, int]] = OrderedDict()
 
     def _enter(self, method: str, context: grpc.aio.ServicerContext) -> str:
         """Resolve the call's tenant and take one of its stream slots (refused past the limit)."""
@@ -390,13 +403,21 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
         exact.inc(s.exact_tokens)
         shifted.inc(s.shifted_tokens)
         prefill.inc(s.prefill_tokens)
-        t = self.totals
-        t["lookups"] += 1
-        t["lookup_tokens"] += s.total_tokens
-        t["prefix"] += s.prefix_tokens
-        t["exact"] += s.exact_tokens
-        t["shifted"] += s.shifted_tokens
-        t["prefill"] += s.prefill_tokens
+        tenant = query.scope  # a Lookup's scope is its tenant
+        mine = self.tenant_totals.get(tenant)
+        if mine is None:
+            mine = self.tenant_totals[tenant] = dict.fromkeys(self.totals, 0)
+            if len(self.tenant_totals) > _TENANT_TOTALS:
+                self.tenant_totals.popitem(last=False)
+        else:
+            self.tenant_totals.move_to_end(tenant)
+        for t in (self.totals, mine):
+            t["lookups"] += 1
+            t["lookup_tokens"] += s.total_tokens
+            t["prefix"] += s.prefix_tokens
+            t["exact"] += s.exact_tokens
+            t["shifted"] += s.shifted_tokens
+            t["prefill"] += s.prefill_tokens
 
     # ------------------------------------------------------------------------------- Store
 
@@ -408,8 +429,13 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
         header = None
         payloads: dict[int, bytearray] = {}
         complete: set[int] = set()
+        sizes: dict[int, int] | None = None  # chunk start -> its payload bytes (layout x tokens)
+        chunked = layout = None
+        max_chunk = self.config.max_message_bytes
         # Read the whole stream before changing anything: a bad message anywhere leaves the
-        # registry and the tiers untouched.
+        # registry and the tiers untouched. Each message is checked as it arrives against what
+        # the header allows (chunk boundaries, each chunk's exact size), so a bad part is
+        # refused before more is buffered and at most sum(sizes) bytes are ever held.
         async for msg in request_iterator:
             which = msg.WhichOneof("msg")
             if which == "header":
@@ -417,44 +443,74 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
                     raise InvalidArgument("header: sent more than once in one Store stream")
                 header = msg.header
                 self.limits.check_tokens(tenant, len(header.tokens) // 4)  # before reading any payload
+                tokens = tokens_from_wire(header.tokens, "header.tokens", self.config.max_prompt_tokens)
+                identity = self.identities.get(header.identity, header.HasField("identity"))
+                if header.register_from > len(tokens):
+                    raise InvalidArgument(
+                        f"header.register_from: {header.register_from} exceeds the sequence length {len(tokens)}"
+                    )
+                scope = tenant
+                if header.shared:
+                    self.tenancy.check_shared_write(tenant)
+                    scope = SHARED_SCOPE
             elif which == "payload":
                 if header is None:
                     raise InvalidArgument("header: the first Store message must carry the header")
+                if sizes is None:
+                    if not header.HasField("layout"):
+                        raise InvalidArgument("header.layout: required when payload parts follow")
+                    layout = layout_from_wire(header.layout, "header.layout")
+                    chunked = self.dataplane.store_entries(
+                        tokens, header.tokens, identity, scope, layout, header.register_from
+                    )
+                    per_token = layout.bytes_per_token
+                    sizes = {e.source_pos: e.num_tokens * per_token for e in chunked[0]}
                 part = msg.payload
                 start = part.chunk_start
+                expected = sizes.get(start)
+                if expected is None:
+                    starts = sorted(sizes)
+                    raise InvalidArgument(
+                        f"payload.chunk_start: {start} is not a chunk boundary at or after register_from "
+                        f"(boundaries: {starts[:8]}{'...' if len(starts) > 8 else ''})"
+                    )
                 if start in complete:
                     raise InvalidArgument(f"payload.chunk_start: chunk at {start} received after its last part")
                 buf = payloads.get(start)
                 if buf is None:
                     buf = payloads[start] = bytearray()
+                n = len(buf) + len(part.data)
+                if n > expected:
+                    raise InvalidArgument(
+                        f"payload.data: chunk at {start} has more than the {expected} bytes its layout x tokens need"
+                    )
+                if n > max_chunk:
+                    raise InvalidArgument(f"payload.data: chunk at {start} exceeds {max_chunk} bytes")
                 buf += part.data
-                if len(buf) > self.config.max_message_bytes:
-                    raise InvalidArgument(f"payload.data: chunk at {start} exceeds {self.config.max_message_bytes} bytes")
                 if part.last:
+                    if n != expected:
+                        raise InvalidArgument(
+                            f"payload.data: chunk at {start} has {n} bytes; its layout x tokens need {expected}"
+                        )
                     complete.add(start)
             else:
                 raise InvalidArgument("msg: empty StoreRequest (neither header nor payload)")
+        # grpc.aio ends the request stream of a cancelled call exactly like a half-close, and
+        # delivers the cancellation (CancelledError into this task) in a callback of its own:
+        # let it land before committing anything, or a cancelled Store would be registered.
+        await asyncio.sleep(0)
+        if context.cancelled():
+            raise asyncio.CancelledError("Store: the client cancelled before half-closing its stream")
         if header is None:
             raise InvalidArgument("header: Store stream carried no header")
-        tokens = tokens_from_wire(header.tokens, "header.tokens", self.config.max_prompt_tokens)
-        identity = self.identities.get(header.identity, header.HasField("identity"))
-        if header.register_from > len(tokens):
-            raise InvalidArgument(f"header.register_from: {header.register_from} exceeds the sequence length {len(tokens)}")
         incomplete = sorted(set(payloads) - complete)
         if incomplete:
             raise InvalidArgument(f"payload.last: chunks at {incomplete[:8]} never received their last part")
-        scope = tenant
-        if header.shared:
-            self.tenancy.check_shared_write(tenant)
-            scope = SHARED_SCOPE
         m = self.metrics
         if payloads:
-            if not header.HasField("layout"):
-                raise InvalidArgument("header.layout: required when payload parts follow")
-            layout = layout_from_wire(header.layout, "header.layout")
             t0 = time.perf_counter()
             out = await self.dataplane.store_payloads(
-                tokens, header.tokens, identity, scope, tenant, layout, payloads, header.register_from
+                tokens, header.tokens, identity, scope, tenant, layout, payloads, header.register_from, chunked
             )
             m.store_bytes.inc(out.stored_bytes)
             m.store_seconds.observe(time.perf_counter() - t0)
@@ -464,7 +520,7 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
             total = out.chunks_total
         else:
             result = self.index.register(tokens, header.tokens, identity, scope, register_from=header.register_from)
-            self.dataplane.sync()
+            await self.dataplane.synced()
             registered, refreshed, stored, bounds = (
                 result.chunks_registered, result.chunks_refreshed, 0, result.bounds
             )
@@ -496,26 +552,41 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
             if len(request.items) > self.config.max_fetch_items:
                 raise InvalidArgument(f"items: {len(request.items)} exceeds max_fetch_items {self.config.max_fetch_items}")
             items = [(it.chunk_hash, it.target_pos) for it in request.items]
-            results = await self.dataplane.fetch(tenant, identity, layout, rope, items, request.raw)
+            # Item by item (the data plane reads in bounded windows, duplicates once); every
+            # validation error and the max_fetch_bytes refusal come with the first result.
+            results = self.dataplane.fetch_stream(
+                tenant, identity, layout, rope, items, request.raw, self.config.max_fetch_bytes
+            )
+            r = await anext(results, None)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every error leaves through _abort
             await self._abort("Fetch", exc, context)
         part = self.config.fetch_part_bytes
         nbytes = 0
-        for r in results:
-            if r.payload is None:
-                yield pb.FetchResponse(index=r.index, status=pb.CHUNK_STATUS_MISS, last=True)
-                continue
-            mv = memoryview(r.payload.numpy())
-            nbytes += len(mv)
-            e = r.entry
-            meta = pb.FetchResponse(
-                index=r.index, status=pb.CHUNK_STATUS_OK, num_tokens=e.num_tokens, source_pos=e.source_pos,
-                delta=r.delta, rotated=r.rotated, tier=r.tier,
-            )
-            for frame in fetch_frames(meta, mv, part):
-                yield frame
+        try:
+            while r is not None:
+                if r.payload is None:
+                    yield pb.FetchResponse(index=r.index, status=pb.CHUNK_STATUS_MISS, last=True)
+                else:
+                    mv = memoryview(r.payload.numpy())
+                    nbytes += len(mv)
+                    e = r.entry
+                    meta = pb.FetchResponse(
+                        index=r.index, status=pb.CHUNK_STATUS_OK, num_tokens=e.num_tokens, source_pos=e.source_pos,
+                        delta=r.delta, rotated=r.rotated, tier=r.tier,
+                    )
+                    for frame in fetch_frames(meta, mv, part):
+                        yield frame
+                r = None  # a chunk shared by later items is kept by the data plane only while needed
+                try:
+                    r = await anext(results, None)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a tier failing mid-stream
+                    await self._abort("Fetch", exc, context)
+        finally:
+            await results.aclose()
         m = self.metrics
         m.fetch_bytes.inc(nbytes)
         m.fetch_seconds.observe(time.perf_counter() - t0)
@@ -554,22 +625,33 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
 
     @_rpc("Stats")
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        """The caller's own share of the server (its registry entries, lookups, tier bytes);
+        the whole server for the tenants in ``auth.operators``. Another tenant's traffic and
+        usage never show in a tenant's Stats (issue 13)."""
         tenant = self.tenancy.resolve(context)
         reg = self.index.registry
-        st = reg.snapshot_stats()
-        store_stats = await asyncio.to_thread(self.dataplane.store.stats)
-        t = self.totals
+        if tenant in self.config.auth.operators:
+            st = reg.snapshot_stats()
+            store_stats = await asyncio.to_thread(self.dataplane.store.stats)
+            registry = pb.RegistryStats(
+                entries=st.entries, bytes=st.bytes, capacity_entries=reg.config.capacity_entries,
+                capacity_bytes=reg.config.capacity_bytes, evictions=st.evictions, hits=st.hits,
+                verify_failures=st.verify_failures,
+            )
+            tiers = [pb.TierStats(tier=t.value, bytes=ts.used_bytes, objects=ts.objects, capacity_bytes=ts.capacity_bytes,
+                                  hits=ts.hits, misses=ts.misses) for t, ts in store_stats.tiers.items()]
+            totals, checksum_failures, pins = self.totals, store_stats.checksum_failures, self.dataplane.store.pins_in_flight()
+        else:
+            registry = pb.RegistryStats(entries=reg.scope_entries(tenant), capacity_entries=reg.config.capacity_entries,
+                                        capacity_bytes=reg.config.capacity_bytes)
+            usage = await asyncio.to_thread(self.dataplane.store.tenant_tier_usage, tenant)
+            tiers = [pb.TierStats(tier=t.value, bytes=b, objects=n) for t, (b, n) in usage.items()]
+            totals = self.tenant_totals.get(tenant) or dict.fromkeys(self.totals, 0)
+            checksum_failures = pins = 0
+        t = totals
         return pb.StatsResponse(
             version=__version__,
-            registry=pb.RegistryStats(
-                entries=st.entries,
-                bytes=st.bytes,
-                capacity_entries=reg.config.capacity_entries,
-                capacity_bytes=reg.config.capacity_bytes,
-                evictions=st.evictions,
-                hits=st.hits,
-                verify_failures=st.verify_failures,
-            ),
+            registry=registry,
             lookups=t["lookups"],
             lookup_tokens=t["lookup_tokens"],
             recovered_prefix_tokens=t["prefix"],
@@ -577,13 +659,9 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
             recovered_shifted_tokens=t["shifted"],
             prefill_tokens=t["prefill"],
             uptime_s=time.time() - self.started,
-            tiers=[
-                pb.TierStats(tier=t.value, bytes=ts.used_bytes, objects=ts.objects, capacity_bytes=ts.capacity_bytes,
-                             hits=ts.hits, misses=ts.misses)
-                for t, ts in store_stats.tiers.items()
-            ],
-            checksum_failures=store_stats.checksum_failures,
-            pins_in_flight=self.dataplane.store.pins_in_flight(),
+            tiers=tiers,
+            checksum_failures=checksum_failures,
+            pins_in_flight=pins,
             claims_active=self.claims.ledger.live_count(tenant),
         )
 
@@ -798,6 +876,8 @@ class SidecarServer:
         self.dataplane = DataPlane(self.index, config.limits.store_config(config.store))  # limits.max_bytes*
         self.metrics.watch_registry(self.index.registry)
         self.metrics.watch_dataplane(self.dataplane)
+        evictions = self.metrics.evictions
+        self.dataplane.on_registry_eviction = lambda reason: evictions.labels(reason).inc()
         self.shared_registry = self._shared_registry(config)
         # The table's own per-tenant cap is the largest any tenant may have; the servicer enforces
         # each tenant's limits.max_sessions before the table is asked.
@@ -930,7 +1010,9 @@ class SidecarServer:
             return
         self._stopped = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.grpc.stop(self.config.grace_period_s if grace is None else grace)
+        grace_s = self.config.grace_period_s if grace is None else grace
+        began = time.monotonic()
+        await self.grpc.stop(grace_s)
         for task in (self._sweeper, self._claim_sweeper):
             if task is not None:
                 task.cancel()
@@ -939,6 +1021,14 @@ class SidecarServer:
         if self.shared_registry is not None:
             await self._set_registry_health(False)
             await asyncio.to_thread(self.shared_registry.close, self.config.shared_registry.timeout_s * 10)
+        # what only memory holds goes to disk within what is left of the grace period (at least
+        # a second: the calls were stopped first), so a restart starts warm
+        budget = max(1.0, grace_s - (time.monotonic() - began))
+        moved, left = await asyncio.to_thread(self.dataplane.store.spill, budget)
+        if moved or left:
+            log = logger.warning if left else logger.info
+            log("shutdown: %d chunks moved from memory to the disk tier, %d left in memory (lost)%s", moved, left,
+                "" if "disk" in {t.value for t in self.dataplane.store.tiers} else ": no disk tier configured")
         await asyncio.to_thread(self.dataplane.close)
         self.metrics.close()
         logger.info("kv-sidecar stopped")

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+from google.protobuf.descriptor import FieldDescriptor as _FieldDescriptor
 
 from sidecar.errors import InvalidArgument
 from sidecar.identity import CacheIdentity, KVLayout, KVPart
@@ -71,28 +72,98 @@ def tokens_to_wire(tokens: "np.ndarray | Sequence[int] | bytes | bytearray | mem
 
 
 class IdentityCache:
-    """Interns CacheIdentity objects by their wire fields (the salt is hashed once)."""
+    """Interns CacheIdentity objects by their wire fields (the salt is hashed once). LRU over
+    ``capacity`` identities; an identity whose strings total more than ``max_key_bytes`` is
+    built every time and never retained (real ones are short: the cache must not pin a
+    client's large strings)."""
 
-    def __init__(self, capacity: int = 1024) -> None:
+    def __init__(self, capacity: int = 1024, max_key_bytes: int = 1024) -> None:
         self._cache: OrderedDict[tuple, CacheIdentity] = OrderedDict()
         self._capacity = capacity
+        self._max_key_bytes = max_key_bytes
+
+    def __len__(self) -> int:
+        return len(self._cache)
 
     def get(self, msg: pb.CacheIdentity, present: bool) -> CacheIdentity:
         if not present or not msg.model_id:
             raise InvalidArgument("identity.model_id is required")
         key = (msg.model_id, msg.weights_hash, msg.tokenizer_hash, msg.kv_layout, msg.rope_fingerprint,
                msg.block_size, msg.namespace)
-        ident = self._cache.get(key)
-        if ident is None:
-            ident = CacheIdentity(
-                model_id=msg.model_id, weights_hash=msg.weights_hash, tokenizer_hash=msg.tokenizer_hash,
-                kv_layout=msg.kv_layout, rope_fingerprint=msg.rope_fingerprint, block_size=msg.block_size,
-                namespace=msg.namespace,
-            )
-            self._cache[key] = ident
-            if len(self._cache) > self._capacity:
-                self._cache.popitem(last=False)
+        cache = self._cache
+        ident = cache.get(key)
+        if ident is not None:
+            cache.move_to_end(key)
+            return ident
+        ident = CacheIdentity(
+            model_id=msg.model_id, weights_hash=msg.weights_hash, tokenizer_hash=msg.tokenizer_hash,
+            kv_layout=msg.kv_layout, rope_fingerprint=msg.rope_fingerprint, block_size=msg.block_size,
+            namespace=msg.namespace,
+        )
+        if sum(len(k) for k in key if isinstance(k, str)) <= self._max_key_bytes:
+            cache[key] = ident
+            if len(cache) > self._capacity:
+                cache.popitem(last=False)
         return ident
+
+
+class RequestLimits:
+    """Checks a decoded request against ``WireConfig``: every string field at most
+    ``max_string_bytes`` UTF-8 bytes, every repeated field at most ``max_repeated`` entries, at
+    any depth. Only the fields a message sets are visited (``ListFields``), and only message
+    types that can hold a string or a repeated field are descended into. Bytes fields are not
+    checked here (tokens and payloads have their own, field-specific limits)."""
+
+    def __init__(self, max_string_bytes: int, max_repeated: int) -> None:
+        self.max_string_bytes = max_string_bytes
+        self.max_repeated = max_repeated
+        self._relevant: dict[str, bool] = {}
+
+    def error(self, msg, path: str = "") -> str | None:
+        """The refusal message (``field: ...``) of the first field past a limit, or None."""
+        FD = _FieldDescriptor
+        for fd, value in msg.ListFields():
+            name = f"{path}{fd.name}"
+            if _is_repeated(fd):
+                if len(value) > self.max_repeated:
+                    return f"{name}: {len(value)} entries exceeds wire.max_repeated {self.max_repeated}"
+                if fd.type == FD.TYPE_STRING:
+                    for i, v in enumerate(value):
+                        if len(v) > self.max_string_bytes // 4 and len(v.encode()) > self.max_string_bytes:
+                            return f"{name}[{i}]: {len(v.encode())} bytes exceeds wire.max_string_bytes {self.max_string_bytes}"
+                elif fd.type == FD.TYPE_MESSAGE and self._descend(fd.message_type):
+                    for i, v in enumerate(value):
+                        err = self.error(v, f"{name}[{i}].")
+                        if err is not None:
+                            return err
+            elif fd.type == FD.TYPE_STRING:
+                # len(str) <= UTF-8 bytes <= 4 x len(str): encode only when it could be too long
+                if len(value) > self.max_string_bytes // 4 and len(value.encode()) > self.max_string_bytes:
+                    return f"{name}: {len(value.encode())} bytes exceeds wire.max_string_bytes {self.max_string_bytes}"
+            elif fd.type == FD.TYPE_MESSAGE and self._descend(fd.message_type):
+                err = self.error(value, f"{name}.")
+                if err is not None:
+                    return err
+        return None
+
+    def _descend(self, desc) -> bool:
+        """Whether messages of ``desc`` can hold a string or a repeated field (cached)."""
+        known = self._relevant.get(desc.full_name)
+        if known is None:
+            self._relevant[desc.full_name] = False  # recursion guard
+            FD = _FieldDescriptor
+            known = any(
+                _is_repeated(f) or f.type == FD.TYPE_STRING
+                or (f.type == FD.TYPE_MESSAGE and self._descend(f.message_type))
+                for f in desc.fields
+            )
+            self._relevant[desc.full_name] = known
+        return known
+
+
+def _is_repeated(fd) -> bool:
+    is_rep = getattr(fd, "is_repeated", None)  # protobuf >= 5.28; ``label`` is deprecated there
+    return is_rep if isinstance(is_rep, bool) else fd.label == _FieldDescriptor.LABEL_REPEATED
 
 
 def identity_to_wire(identity: CacheIdentity) -> pb.CacheIdentity:

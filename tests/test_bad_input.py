@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import numpy as np
 import pytest
@@ -10,7 +12,8 @@ from sidecar.client import SidecarClient
 from sidecar.server import create_server
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
-from sidecar.wire import identity_to_wire
+from sidecar.identity import KVLayout
+from sidecar.wire import identity_to_wire, layout_to_wire
 from tests.conftest import make_config, message
 
 MAX_TOKENS = 4096
@@ -47,6 +50,9 @@ def lookup_cases(identity, rng):
 
 def store_cases(identity, rng):
     ident = identity_to_wire(identity)
+    kv = KVLayout.gqa(num_layers=2, num_kv_heads=4, head_dim=64, dtype="float16")
+    layout = layout_to_wire(kv)
+    named = identity_to_wire(dataclasses.replace(identity, kv_layout=kv.fingerprint()))  # names the layout
     ok = good_tokens(rng)
     H = lambda **kw: pb.StoreRequest(header=pb.StoreHeader(**kw))  # noqa: E731
     return [
@@ -60,8 +66,12 @@ def store_cases(identity, rng):
         ("header", [pb.StoreRequest(payload=pb.PayloadPart(data=b"x"))], "first Store message"),
         ("header.layout", [H(tokens=ok, identity=ident), pb.StoreRequest(payload=pb.PayloadPart(data=b"x", last=True))],
          "required when payload"),
-        ("payload.last", [H(tokens=ok, identity=ident), pb.StoreRequest(payload=pb.PayloadPart(data=b"x"))],
+        ("payload.last", [H(tokens=ok, identity=named, layout=layout), pb.StoreRequest(payload=pb.PayloadPart(data=b"x"))],
          "never received"),
+        ("payload.chunk_start", [H(tokens=ok, identity=named, layout=layout),
+                                 pb.StoreRequest(payload=pb.PayloadPart(chunk_start=1, data=b"x"))], "chunk boundary"),
+        ("payload.data", [H(tokens=ok, identity=named, layout=layout),
+                          pb.StoreRequest(payload=pb.PayloadPart(data=b"x", last=True))], "need"),
         ("msg", [H(tokens=ok, identity=ident), pb.StoreRequest()], "neither header nor payload"),
     ]
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from sidecar.config import AuthConfig
 from sidecar.client import SidecarClient
 from sidecar.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from sidecar.identity import CacheIdentity, KVLayout
@@ -28,7 +29,8 @@ IDENT = CacheIdentity(model_id="tiny-llama", kv_layout=LAYOUT.fingerprint(), rop
 
 async def start(tmp_path=None, **store_kw):
     store = StoreConfig(**store_kw) if store_kw else StoreConfig(cpu_bytes=64 * MiB)
-    server, port = await create_server(make_config(store=store))
+    # tenant "a" is an operator: its Stats show the whole server (tier objects, hits)
+    server, port = await create_server(make_config(store=store, auth=AuthConfig(operators=("a",))))
     return server, f"127.0.0.1:{port}"
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from sidecar.client import SidecarClient
 from sidecar.v1 import sidecar_pb2 as pb
+from sidecar.wire import identity_to_wire
 from tests.conftest import ANCHORS, message
 
 SERVICE = "/sidecar.v1.KVSidecar/"
@@ -58,7 +59,9 @@ async def test_fetch_and_store_garbage_change_nothing(sidecar, identity, rng, ca
                     pass
             assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
             store = ch.stream_unary(SERVICE + "Store")
-            good_header = pb.StoreRequest(header=pb.StoreHeader(tokens=tokens.astype("<u4").tobytes()))
+            # a valid header (Store checks it as it arrives), then garbage
+            good_header = pb.StoreRequest(header=pb.StoreHeader(tokens=tokens.astype("<u4").tobytes(),
+                                                                identity=identity_to_wire(identity)))
             for stream in ([GARBAGE[0]], [good_header.SerializeToString(), GARBAGE[2]]):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await store(iter(stream), timeout=5)

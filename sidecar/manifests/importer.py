@@ -192,7 +192,7 @@ class ManifestImporter:
                     res.outcomes[Outcome.PREFETCHED] += 1
                     if self._register(entry):
                         new.setdefault(e.identity, []).append(entry)
-            self.dataplane.sync()
+            await self.dataplane.synced()
         else:
             for e in todo:
                 self.plan.add(e)
@@ -222,7 +222,8 @@ class ManifestImporter:
         reg = self._registry
         old = reg.peek(entry.key)
         if old is not None and old.matches(entry.tokens):
-            old.source_pos, old.prefix_digest, old.left_context = entry.source_pos, entry.prefix_digest, entry.left_context
-            old.state, old.tier = EntryState.RESIDENT, entry.tier
+            reg.update(old, source_pos=entry.source_pos, prefix_digest=entry.prefix_digest,
+                       left_context=entry.left_context)
+            reg.set_state(old, EntryState.RESIDENT, entry.tier)
             return False
         return reg.insert(entry)

@@ -56,6 +56,11 @@ class MaskPosition(str, Enum):
     LOW = "low"  # last ``mask_bits`` tokens only
 
 
+#: Largest chunk size: the compiled boundary loop holds sizes in int64 (tests/fuzz found a
+#: uint64 ``max_size`` accepted at load that raised OverflowError at the first Lookup).
+_MAX_CHUNK = 2**31 - 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class ChunkerConfig:
     """Chunking parameters; part of what two sidecars must agree on to share chunks.
@@ -79,8 +84,9 @@ class ChunkerConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.mask_bits <= 32:
             raise ValueError(f"chunker.mask_bits must be in [1, 32], got {self.mask_bits}")
-        if not 1 <= self.min_size <= self.max_size:
-            raise ValueError(f"chunker.min_size/max_size must satisfy 1 <= min <= max, got {self.min_size}/{self.max_size}")
+        if not 1 <= self.min_size <= self.max_size <= _MAX_CHUNK:
+            raise ValueError(f"chunker.min_size/max_size must satisfy 1 <= min <= max <= {_MAX_CHUNK}, "
+                             f"got {self.min_size}/{self.max_size}")
         object.__setattr__(self, "mask_position", MaskPosition(self.mask_position))
         anchors = tuple(sorted({int(t) for t in self.anchor_tokens}))
         if any(not 0 <= t < 2**32 for t in anchors):

@@ -84,13 +84,21 @@ class ChunkEntry:
 
 @dataclass(frozen=True, kw_only=True)
 class RegistryConfig:
+    """``scope_share``: the fraction of ``capacity_entries`` one scope (tenant) may hold once
+    the registry is full. A scope over its share that inserts evicts its OWN least recently
+    used entries, never another tenant's; below its share the global LRU order applies. With
+    one tenant the victims are the same as plain LRU's; 1.0 turns the rule off."""
+
     capacity_entries: int = 1_000_000
     capacity_bytes: int = 1 << 30
     left_context_tokens: int = 128
+    scope_share: float = 0.5
 
     def __post_init__(self) -> None:
         if self.capacity_entries <= 0:
             raise ValueError("registry.capacity_entries must be positive")
+        if not 0.0 < self.scope_share <= 1.0:
+            raise ValueError(f"registry.scope_share: {self.scope_share} is not in (0, 1]")
         if self.capacity_bytes <= 0:
             raise ValueError("registry.capacity_bytes must be positive")
         if self.left_context_tokens < 0:
@@ -102,7 +110,7 @@ class RegistryEvent:
     kind: str  # "evicted"
     key: ChunkHash
     scope: str
-    reason: str  # "capacity_entries" | "capacity_bytes" | "deleted"
+    reason: str  # "capacity_entries" | "capacity_bytes" | "scope_share" | "deleted"
 
 
 @dataclass(slots=True)
@@ -124,6 +132,8 @@ class InMemoryRegistry:
         self._bytes = 0
         self._events: list[RegistryEvent] = []
         self._scope_entries: dict[str, int] = {}
+        #: each scope's keys in recency order (evictions of a scope over its share)
+        self._scope_lru: dict[str, OrderedDict[int, None]] = {}
         self.stats = RegistryStats()
         #: Keys LRU eviction must skip (claimed chunks); owned by the claims ledger.
         self.protected: set[int] = set()
@@ -168,12 +178,45 @@ class InMemoryRegistry:
         """All entries, least recently used first."""
         return list(self._entries.values())
 
+    def set_state(self, entry: ChunkEntry, state: EntryState, tier: str | None) -> None:
+        """Record where an entry's KV lives (``tier``; None with OBSERVED: nowhere). State and
+        tier do not change the entry's byte count."""
+        entry.state = state
+        entry.tier = tier
+
+    def update(
+        self,
+        entry: ChunkEntry,
+        *,
+        source_pos: int,
+        prefix_digest: int,
+        left_context: bytes | None = None,
+        digest: bytes | None = None,
+    ) -> None:
+        """Move an entry's canonical copy: where it was computed (``source_pos``,
+        ``prefix_digest``), the tokens before it (``left_context``; None keeps them) and the
+        second digest (None keeps it). The registry's byte count follows the entry's, if the
+        entry is registered; growth is bounded by ``left_context_tokens`` and capacity is
+        enforced on the next insert. Registered entries change only through this and
+        ``set_state``: an assignment elsewhere lets ``nbytes`` drift from the entries' sum."""
+        registered = self._entries.get(entry.key) is entry
+        before = entry.nbytes
+        entry.source_pos = source_pos
+        entry.prefix_digest = prefix_digest
+        if left_context is not None:
+            entry.left_context = left_context
+        if digest is not None:
+            entry.digest = digest
+        if registered:
+            self._bytes += entry.nbytes - before
+
     def touch(self, entry: ChunkEntry) -> None:
         """Record a served hit: recency and hit count."""
         entry.hits += 1
         entry.last_seen = time.time()
         self.stats.hits += 1
         self._entries.move_to_end(entry.key)
+        self._scope_lru[entry.scope].move_to_end(entry.key)
 
     def insert(self, entry: ChunkEntry) -> bool:
         """Insert ``entry``, or refresh the existing entry with the same key.
@@ -191,31 +234,52 @@ class InMemoryRegistry:
                 return False
             old.last_seen = time.time()
             self._entries.move_to_end(entry.key)
+            self._scope_lru[old.scope].move_to_end(entry.key)
             return False
         if entry.nbytes > self.config.capacity_bytes:
             return False
         self._entries[entry.key] = entry
+        self._scope_lru.setdefault(entry.scope, OrderedDict())[entry.key] = None
         self._bytes += entry.nbytes
         self._count(entry.scope, 1)
         self.stats.inserts += 1
-        self._evict_to_capacity()
+        self._evict_to_capacity(entry.scope)
         return True
+
+    def _unlink(self, entry: ChunkEntry) -> None:
+        lru = self._scope_lru[entry.scope]
+        del lru[entry.key]
+        if not lru:
+            del self._scope_lru[entry.scope]
+        self._bytes -= entry.nbytes
+        self._count(entry.scope, -1)
 
     def delete(self, key: int) -> bool:
         entry = self._entries.pop(key, None)
         if entry is None:
             return False
-        self._bytes -= entry.nbytes
-        self._count(entry.scope, -1)
+        self._unlink(entry)
         self._events.append(RegistryEvent("evicted", entry.key, entry.scope, "deleted"))
         return True
 
-    def _evict_to_capacity(self) -> None:
+    def _evict_to_capacity(self, scope: str | None = None) -> None:
         cfg = self.config
         protected = self.protected
         skipped = 0
+        share = cfg.scope_share * cfg.capacity_entries
         while len(self._entries) > cfg.capacity_entries or self._bytes > cfg.capacity_bytes:
             reason = "capacity_entries" if len(self._entries) > cfg.capacity_entries else "capacity_bytes"
+            own = (self._scope_lru.get(scope) if scope is not None and cfg.scope_share < 1.0
+                   and self._scope_entries.get(scope, 0) > share
+                   and self._entries[next(iter(self._entries))].scope != scope else None)
+            if own:  # over its share, it would evict another tenant's entry: it pays with its own
+                key = next((k for k in own if not (protected and k in protected)), None)
+                if key is not None:
+                    victim = self._entries.pop(key)
+                    self._unlink(victim)
+                    self.stats.evictions += 1
+                    self._events.append(RegistryEvent("evicted", victim.key, victim.scope, "scope_share"))
+                    continue
             key, victim = self._entries.popitem(last=False)
             if protected and key in protected:
                 self._entries[key] = victim  # back at the most-recent end
@@ -223,8 +287,7 @@ class InMemoryRegistry:
                 if skipped > len(protected):
                     return  # only claimed entries left: over capacity rather than break a claim
                 continue
-            self._bytes -= victim.nbytes
-            self._count(victim.scope, -1)
+            self._unlink(victim)
             self.stats.evictions += 1
             self._events.append(RegistryEvent("evicted", victim.key, victim.scope, reason))
 

@@ -264,11 +264,9 @@ class SharedRegistry:
                 old.num_tokens == e.num_tokens and (not old.tokens or token_digest(old.tokens) == e.digest)
             ):
                 # Known here as metadata only; a peer's copy is servable now: it is canonical.
-                old.source_pos, old.prefix_digest = e.source_pos, e.prefix_digest
-                if len(old.left_context) == len(e.left_context):  # keeps the registry's byte count
-                    old.left_context = e.left_context
-                old.digest = e.digest
-                old.state, old.tier = EntryState.RESIDENT, "remote"
+                reg.update(old, source_pos=e.source_pos, prefix_digest=e.prefix_digest,
+                           left_context=e.left_context, digest=e.digest)
+                reg.set_state(old, EntryState.RESIDENT, "remote")
                 n += 1
         self.stats.read_found += n
 

@@ -32,6 +32,7 @@ class Reason(str, enum.Enum):
     CORRUPTION = "corruption"
     MISSING = "missing"
     IO_ERROR = "io_error"
+    SHUTDOWN = "shutdown"  # memory tiers spilled to disk on a graceful stop
 
 
 @dataclass(frozen=True, slots=True)

@@ -275,6 +275,11 @@ class TieredStore:
         with self._lock:
             return self._tenant_bytes[tenant]
 
+    def tenant_tier_usage(self, tenant: str) -> dict[Tier, tuple[int, int]]:
+        """(bytes, objects) of ``tenant``'s chunks in each configured tier (its own ``Stats``)."""
+        with self._lock:
+            return {t: (self._tenant_used[(tenant, t)], len(self._tenant_lru.get((tenant, t), ()))) for t in self._lru}
+
     def set_guards(self, guards: dict[bytes, "Guard"]) -> None:
         """Set (``Guard.NONE``: clear) the guard of each key. Keys need not be held yet: a
         guard applies from the chunk's first put on. Cheap (index lock, one dict write each)."""
@@ -880,6 +885,38 @@ class TieredStore:
                             if self._remote_removing[key] <= 0:
                                 del self._remote_removing[key]
         return removed
+
+    def spill(self, budget_s: float) -> tuple[int, int]:
+        """Move what only the memory tiers (GPU, CPU) hold down to the disk tier, most recently
+        used first, for at most ``budget_s`` seconds: a graceful stop then loses nothing a
+        restart could recover (the disk tier is re-indexed at start). Returns (moved, left):
+        ``left`` counts the chunks still only in memory (no disk tier, no room, time out).
+        Older disk chunks make room by the ordinary LRU order."""
+        with self._lock:
+            if self._closed:
+                return 0, 0
+            todo = [(t, e) for t in (Tier.GPU, Tier.CPU) if t in self._lru
+                    for e in reversed(self._lru[t].values()) if not e.remote]
+        if Tier.DISK not in self._lru or not todo:
+            return 0, len(todo)
+        deadline = time.monotonic() + budget_s
+        moved = 0
+        with self._writer():
+            for i, (tier, e) in enumerate(todo):
+                if time.monotonic() >= deadline:
+                    return moved, len(todo) - i
+                with self._lock:
+                    if e.local != tier or self._busy(e, tier):
+                        continue
+                try:
+                    self._move_down(e, tier, Reason.SHUTDOWN)
+                except _NoRoom:
+                    continue
+                with self._lock:
+                    moved += e.local == Tier.DISK
+        with self._lock:
+            left = sum(1 for t in (Tier.GPU, Tier.CPU) if t in self._lru for e in self._lru[t].values() if not e.remote)
+        return moved, left
 
     def close(self) -> None:
         """Release every backend; bounded by ``config.close_timeout_s`` per step (a hung remote

@@ -84,7 +84,8 @@ def test_prefetch_from_the_shared_tier(tmp_path: Path, redis_url: str, namespace
     assert ref.summary.exact_tokens and ref.summary.shifted_tokens  # the probe reuses both ways
 
     fresh = StoreConfig(namespace=namespace, cpu_bytes=32 << 20, remote_url=redis_url, remote_bytes=64 << 20)
-    cfg = make_config(store=fresh, manifests=ManifestsConfig(import_paths=(str(path),)))
+    cfg = make_config(store=fresh, manifests=ManifestsConfig(import_paths=(str(path),)),
+                      auth=AuthConfig(operators=(TENANT,)))  # Stats of the whole server (tier objects)
     with ServerThread(cfg) as st:
         n = _unique(path)
         m = st.server.metrics.registry.get_sample_value
