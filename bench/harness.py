@@ -20,15 +20,13 @@ import numpy as np
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-@contextmanager
-def sidecar_process(*flags: str, env: dict[str, str] | None = None, python: str | None = None,
-                    log: deque[str] | None = None) -> Iterator[str]:
-    """Run ``kv-sidecar serve`` in a child process (its own interpreter and GIL, as deployed);
-    yields the gRPC target. Extra settings go in as ``--set key=value`` flags. The port is read
-    from the INFO start-up line, so the log level stays at INFO; after start-up a thread keeps
-    draining the log (a full pipe would stall the server) into ``log`` when one is given.
-    ``python``: the interpreter of the server's environment (default: this one; an engine
-    environment without the server's dependencies passes the main one, ``server_python()``)."""
+def spawn_sidecar(*flags: str, env: dict[str, str] | None = None, python: str | None = None,
+                  log: deque[str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Start ``kv-sidecar serve`` in a child process and return it with its gRPC target once it
+    serves (the caller owns the process: fault tests SIGKILL it). Extra settings go in as
+    ``--set key=value`` flags. The port is read from the INFO start-up line, so the log level
+    stays at INFO; after start-up a thread keeps draining the log (a full pipe would stall the
+    server) into ``log`` when one is given."""
     root = Path(__file__).resolve().parents[1]
     cmd = [python or sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--metrics-port", "-1", "--log-level", "INFO",
            *flags]
@@ -47,8 +45,24 @@ def sidecar_process(*flags: str, env: dict[str, str] | None = None, python: str 
                 break
         else:
             raise RuntimeError("sidecar did not start within 120 s")
-        threading.Thread(target=lines.extend, args=(proc.stderr,), daemon=True).start()
-        yield f"{m.group(1)}:{m.group(2)}"
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    threading.Thread(target=lines.extend, args=(proc.stderr,), daemon=True).start()
+    return proc, f"{m.group(1)}:{m.group(2)}"
+
+
+@contextmanager
+def sidecar_process(*flags: str, env: dict[str, str] | None = None, python: str | None = None,
+                    log: deque[str] | None = None) -> Iterator[str]:
+    """Run ``kv-sidecar serve`` in a child process (its own interpreter and GIL, as deployed);
+    yields the gRPC target (see ``spawn_sidecar``). ``python``: the interpreter of the server's
+    environment (default: this one; an engine environment without the server's dependencies
+    passes the main one, ``server_python()``)."""
+    proc, target = spawn_sidecar(*flags, env=env, python=python, log=log)
+    try:
+        yield target
     finally:
         proc.terminate()
         try:

@@ -50,6 +50,17 @@ def redis_client(redis_url: str):
 
 
 @pytest.fixture
+def restartable_redis(tmp_path):
+    """A redis-server of this test alone that it can stop (or SIGKILL) and start again at the
+    same address (``tests.redis_server.RedisProcess``)."""
+    from tests.redis_server import RedisProcess
+
+    server = RedisProcess(tmp_path).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
 def identity() -> CacheIdentity:
     return CacheIdentity(model_id="test-model", kv_layout="gqa-2x4x64", rope_fingerprint="rope-default")
 

@@ -110,6 +110,13 @@ class RedisProcess:
         finally:
             client.close()
 
+    def kill(self) -> None:
+        """SIGKILL, as a crashed server: no shutdown, no save."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.terminate()

@@ -91,8 +91,13 @@ class L2Driver:
             poller.register(fd, select.POLLIN)
         while not self._stop.is_set():
             # The timeout bounds the damage of a missed wake-up; results are re-polled anyway.
-            for fd, _ in poller.poll(50):
-                consume_fd(fd)
+            try:
+                for fd, _ in poller.poll(50):
+                    consume_fd(fd)
+            except OSError:
+                if self._stop.is_set():
+                    return  # close() closed the adapter (and its eventfds) under a late poll
+                raise
             try:
                 self._collect()
             except Exception:  # the adapter is closing or broken: waiters time out

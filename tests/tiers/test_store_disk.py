@@ -11,6 +11,7 @@ import torch
 
 from sidecar.identity import KVLayout
 from sidecar.tiers import CapacityError, EventKind, Reason, Tier
+from sidecar.tiers.store import Guard
 from tests.tiers.conftest import NUM_TOKENS, key, make_payload
 
 
@@ -180,18 +181,41 @@ def test_restart_drops_corrupt_files_and_respects_capacity(
     assert sorted(p.name for p in tmp_path.glob("*.data")) == [second._disk.path_of(key(3)).name]
 
 
-def test_failed_demotion_is_backpressure_not_loss(
+def test_failed_demotion_drops_the_lru_chunk_not_the_new_write(
     make_store, tmp_path: Path, layout: KVLayout, payload_size: int, obj_size: int
 ) -> None:
+    """A failing lower tier (here: its directory removed) is treated as absent: the LRU chunk is
+    dropped (reason io_error) so the new write lands, and the tier is backed off from."""
     disk = tmp_path / "disk"
     store = make_store(cpu_bytes=2 * obj_size, disk_path=str(disk), disk_bytes=8 * obj_size, io_timeout_s=5.0)
     _put(store, 0, layout, payload_size)
     _put(store, 1, layout, payload_size)
+    store.take_events()
     shutil.rmtree(disk)  # the disk tier now fails every write
+    _put(store, 2, layout, payload_size)
+    events = store.take_events()
+    assert [(ev.kind, ev.key, ev.reason) for ev in events if ev.kind is EventKind.EVICTED] == [
+        (EventKind.EVICTED, key(0), Reason.IO_ERROR)]
+    assert store.locate(key(0)) is None
+    for i in (1, 2):
+        assert torch.equal(store.get(key(i)).payload, make_payload(i, payload_size))
+    st = store.stats()
+    assert st.io_errors >= 1 and st.evictions_by_reason[Reason.IO_ERROR] == 1
+
+
+def test_failed_demotion_of_a_claimed_chunk_is_backpressure_not_loss(
+    make_store, tmp_path: Path, layout: KVLayout, payload_size: int, obj_size: int
+) -> None:
+    disk = tmp_path / "disk"
+    store = make_store(cpu_bytes=2 * obj_size, disk_path=str(disk), disk_bytes=8 * obj_size, io_timeout_s=5.0)
+    store.set_guards({key(0): Guard.NO_DROP, key(1): Guard.NO_DROP})
+    _put(store, 0, layout, payload_size)
+    _put(store, 1, layout, payload_size)
+    shutil.rmtree(disk)
     with pytest.raises(CapacityError) as info:
         _put(store, 2, layout, payload_size)
     assert info.value.tier == Tier.CPU and "cannot demote" in info.value.reason
     assert store.take_events() == []
-    for i in (0, 1):  # nothing was dropped to make room
+    for i in (0, 1):  # nothing claimed was dropped to make room
         assert torch.equal(store.get(key(i)).payload, make_payload(i, payload_size))
     assert store.stats().io_errors >= 1 and store.locate(key(2)) is None
