@@ -20,7 +20,7 @@ kv_sidecar_fetch_bytes_total, _seconds          KV payload bytes streamed; Fetch
 kv_sidecar_tier_bytes / _objects /              per tier {tier=gpu|cpu|disk|remote}
   _capacity_bytes / _hits / _misses
 kv_sidecar_tier_promotions / _demotions         chunks moved up on hit / down instead of lost
-kv_sidecar_tier_evictions{reason}               copies dropped (capacity | quota | operator)
+kv_sidecar_tier_evictions{reason}               copies dropped (capacity | quota | operator | io_error)
 kv_sidecar_tier_losses{reason}                  chunks found missing or corrupt
 kv_sidecar_checksum_failures_total              payloads failing their checksum on read
 kv_sidecar_rotation_bytes / _seconds            key bytes rotated on Fetch and time spent
