@@ -34,6 +34,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, Tensor
 from lmcache.v1.platform.event_notifier import consume_fd
 
 from sidecar.tiers.config import RemoteEndpoint
+from sidecar.tiers.disk_index import DiskIndex, IndexedObject
 from sidecar.tiers.envelope import HEADER_NBYTES, CorruptChunkError, parse_header
 from sidecar.tiers.types import ChunkKey, ChunkMeta, Tier
 
@@ -241,14 +242,21 @@ class DiskFile:
     path: Path
 
 
+_FOREIGN: DiskFile = object()  # type: ignore[assignment]  # DiskTier._read_header: not this key's file
+
+
 class DiskTier:
     """Local disk tier on LMCache's ``fs_native`` adapter (C++ workers, write to ``.tmp`` then
     rename, one ``<namespace>@0x<rank>@<group>@<hex key>.data`` file per object).
 
-    ``fs_native`` keeps no index and cannot list its keys, so a restart is served by
-    ``scan()``: it reads every file's header (the metadata is stored in the object), drops
-    stale ``.tmp`` files and corrupt/truncated objects, and returns what is there. One store owns
-    a directory: an ``flock`` on ``<path>/.kv-sidecar.lock`` refuses a second one.
+    ``fs_native`` keeps no index and cannot list its keys, so this tier keeps its own
+    (``sidecar.tiers.disk_index``: ``<path>/<namespace>.kvindex``) and a restart is served by
+    ``scan()`` from it: one directory listing (names and sizes: a truncated file is dropped),
+    no file opened except those the index does not name, whose header is read as before. Without
+    an index ``scan()`` reads every file's header (the metadata is stored in the object). Either
+    way stale ``.tmp`` files and corrupt objects are removed; an object whose bytes were damaged
+    behind a valid record is found on its first read (a miss, then removed). One store owns a
+    directory: an ``flock`` on ``<path>/.kv-sidecar.lock`` refuses a second one.
     """
 
     tier = Tier.DISK
@@ -267,6 +275,7 @@ class DiskTier:
         except BlockingIOError:
             os.close(self._lock_fd)
             raise ValueError(f"store.disk_path {path!r} is in use by another store") from None
+        self._index = DiskIndex(self.path / f"{namespace}.kvindex")
         adapter = create_l2_adapter(FSNativeL2AdapterConfig(base_path=str(self.path), num_workers=workers), None)
         self._io = L2Driver(adapter, "disk")
 
@@ -294,6 +303,7 @@ class DiskTier:
             os.utime(self.path_of(key), ns=(stamp, stamp))
         except OSError:
             pass  # recency is a hint; the object is stored
+        self._index.add(parse_header(obj), obj.numel())
         return True
 
     def load_many(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[torch.Tensor | LoadFailure]:
@@ -310,45 +320,75 @@ class DiskTier:
         ]
 
     def remove(self, keys: Sequence[ChunkKey]) -> None:
+        self._index.delete(keys)
         self._io.delete([self._okey(k) for k in keys])
         for key in keys:  # the connector's delete is best-effort; make sure the bytes are gone
             self.path_of(key).unlink(missing_ok=True)
 
     def scan(self) -> tuple[list[DiskFile], int]:
-        """Objects on disk (oldest first) and the number of corrupt files removed."""
-        found: list[DiskFile] = []
-        corrupt = 0
+        """Objects on disk (oldest first) and the number of corrupt files removed. Reads the
+        index; files it does not name (or every file, without an index) have their header read."""
+        loaded = self._index.load()
         prefix = f"{self._namespace}@"
         with os.scandir(self.path) as it:
-            entries = [e for e in it if e.is_file() and e.name.startswith(prefix)]
-        for entry in entries:
-            if entry.name.endswith(".tmp"):
-                Path(entry.path).unlink(missing_ok=True)  # a write interrupted before its rename
+            entries = {e.name: e for e in it if e.name.startswith(prefix)}
+        for name in [n for n in entries if n.endswith(".tmp")]:
+            Path(entries.pop(name).path).unlink(missing_ok=True)  # a write interrupted before its rename
+        found: list[DiskFile] = []
+        corrupt = 0
+        if loaded is not None:
+            for key, obj in loaded[0].items():
+                entry = entries.pop(self.path_of(key).name, None)
+                if entry is None:
+                    continue  # removed after its record (a crash before the delete record)
+                size = entry.stat().st_size
+                if size != obj.nbytes:
+                    logger.warning("removing corrupt disk object %s: size %d != %d", entry.name, size, obj.nbytes)
+                    Path(entry.path).unlink(missing_ok=True)
+                    corrupt += 1
+                    continue
+                found.append(DiskFile(meta=obj.meta, nbytes=size, mtime_ns=0, path=Path(entry.path)))
+        unindexed: list[DiskFile] = []
+        for entry in entries.values():
+            if not entry.name.endswith(".data") or not entry.is_file():
                 continue
-            if not entry.name.endswith(".data"):
-                continue
-            st = entry.stat()
-            try:
-                with open(entry.path, "rb") as f:
-                    meta = parse_header(f.read(HEADER_NBYTES))
-                if st.st_size != HEADER_NBYTES + meta.payload_nbytes:
-                    raise CorruptChunkError(f"size {st.st_size} != {HEADER_NBYTES + meta.payload_nbytes}")
-            except (CorruptChunkError, OSError) as exc:
-                logger.warning("removing corrupt disk object %s: %s", entry.name, exc)
-                Path(entry.path).unlink(missing_ok=True)
+            f = self._read_header(entry)
+            if f is None:
                 corrupt += 1
-                continue
-            if self.path_of(meta.key) != Path(entry.path):
-                logger.warning("ignoring disk object %s: its header names key %s", entry.name, meta.key.hex())
-                continue
-            found.append(DiskFile(meta=meta, nbytes=st.st_size, mtime_ns=st.st_mtime_ns, path=Path(entry.path)))
-        found.sort(key=lambda f: f.mtime_ns)
-        if found:
-            self._last_mtime_ns = found[-1].mtime_ns
+            elif f is not _FOREIGN:
+                unindexed.append(f)
+        unindexed.sort(key=lambda f: f.mtime_ns)
+        found += unindexed
+        if loaded is None:
+            self._index.set(IndexedObject(f.meta, f.nbytes) for f in found)
+        else:
+            self._index.retain(f.meta.key for f in found[: len(found) - len(unindexed)])
+            for f in unindexed:
+                self._index.add(f.meta, f.nbytes)
+        self._last_mtime_ns = max([time.time_ns(), *(f.mtime_ns for f in unindexed)])
         return found, corrupt
+
+    def _read_header(self, entry: os.DirEntry) -> DiskFile | None:
+        """The object file's header, checked against its size and name; ``None``: corrupt
+        (removed); ``_FOREIGN``: a valid object under another key's name (left alone)."""
+        st = entry.stat()
+        try:
+            with open(entry.path, "rb") as f:
+                meta = parse_header(f.read(HEADER_NBYTES))
+            if st.st_size != HEADER_NBYTES + meta.payload_nbytes:
+                raise CorruptChunkError(f"size {st.st_size} != {HEADER_NBYTES + meta.payload_nbytes}")
+        except (CorruptChunkError, OSError) as exc:
+            logger.warning("removing corrupt disk object %s: %s", entry.name, exc)
+            Path(entry.path).unlink(missing_ok=True)
+            return None
+        if self.path_of(meta.key) != Path(entry.path):
+            logger.warning("ignoring disk object %s: its header names key %s", entry.name, meta.key.hex())
+            return _FOREIGN
+        return DiskFile(meta=meta, nbytes=st.st_size, mtime_ns=st.st_mtime_ns, path=Path(entry.path))
 
     def close(self, timeout: float) -> bool:
         ok = self._io.close(timeout)
+        self._index.close()
         os.close(self._lock_fd)
         return ok
 
