@@ -10,7 +10,10 @@ costs only its own chunk::
     8       8     xxh3-64 of the body
     16      n     body: op (b"A" add / b"D" delete) + u16 key length + key
                   + for "A": u64 object bytes, u64 payload checksum, u64 payload bytes,
-                    then the chunk metadata as the object header's JSON
+                    i64 tokens, i64 source position, f64 created_at, u16 lengths of
+                    tenant, scope, layout fingerprint (UTF-8) and aux, then those four
+
+Binary rather than the header's JSON: 100,000 records decode in well under a second.
 
 Rules (the disk objects stay the source of truth; the index is a cache of their headers):
 
@@ -38,7 +41,6 @@ from pathlib import Path
 
 import xxhash
 
-from sidecar.tiers.envelope import CorruptChunkError, meta_from_json, meta_json
 from sidecar.tiers.types import ChunkKey, ChunkMeta
 
 logger = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ logger = logging.getLogger(__name__)
 MAGIC = b"KVIX"
 _FRAME = struct.Struct("<4sIQ")
 _KEYLEN = struct.Struct("<H")
-_ADD = struct.Struct("<QQQ")
+_ADD = struct.Struct("<QQQqqdHHHH")
 _MAX_BODY = 1 << 16
 
 
@@ -63,16 +65,19 @@ def _frame(body: bytes) -> bytes:
 
 
 def _add_body(meta: ChunkMeta, nbytes: int) -> bytes:
-    return (b"A" + _KEYLEN.pack(len(meta.key)) + meta.key
-            + _ADD.pack(nbytes, meta.checksum, meta.payload_nbytes) + meta_json(meta))
+    tenant, scope, layout = (x.encode() for x in (meta.tenant, meta.scope, meta.layout_fingerprint))
+    fixed = _ADD.pack(nbytes, meta.checksum, meta.payload_nbytes, meta.num_tokens, meta.source_position,
+                      meta.created_at, len(tenant), len(scope), len(layout), len(meta.aux))
+    return b"".join((b"A", _KEYLEN.pack(len(meta.key)), meta.key, fixed, tenant, scope, layout, meta.aux))
 
 
 def _delete_body(key: ChunkKey) -> bytes:
     return b"D" + _KEYLEN.pack(len(key)) + key
 
 
-def _parse_body(body: bytes) -> tuple[str, ChunkKey, IndexedObject | None]:
-    """(op, key, object for an add); raises ValueError for a body that does not parse."""
+def _parse_body(body: bytes, strings: dict[bytes, str]) -> tuple[str, ChunkKey, IndexedObject | None]:
+    """(op, key, object for an add); raises ValueError for a body that does not parse.
+    ``strings`` interns the few distinct tenants, scopes and layouts across records."""
     op = body[:1]
     (klen,) = _KEYLEN.unpack_from(body, 1)
     key = ChunkKey(body[3:3 + klen])
@@ -82,10 +87,22 @@ def _parse_body(body: bytes) -> tuple[str, ChunkKey, IndexedObject | None]:
         return "D", key, None
     if op != b"A":
         raise ValueError(f"unknown op {op!r}")
-    nbytes, csum, payload = _ADD.unpack_from(body, 3 + klen)
-    meta = meta_from_json(body[3 + klen + _ADD.size:], payload_nbytes=payload, checksum=csum)
-    if meta.key != key:
-        raise ValueError("record names two keys")
+    pos = 3 + klen
+    nbytes, csum, payload, ntok, src, created, lt, ls, ll, la = _ADD.unpack_from(body, pos)
+    pos += _ADD.size
+    if pos + lt + ls + ll + la != len(body):
+        raise ValueError("lengths do not add up")
+    out = []
+    for n in (lt, ls, ll):
+        raw = body[pos:pos + n]
+        text = strings.get(raw)
+        if text is None:
+            text = strings[raw] = raw.decode()
+        out.append(text)
+        pos += n
+    meta = ChunkMeta(key=key, tenant=out[0], scope=out[1], layout_fingerprint=out[2], num_tokens=ntok,
+                     payload_nbytes=payload, source_position=src, aux=body[pos:pos + la], checksum=csum,
+                     created_at=created)
     return "A", key, IndexedObject(meta, nbytes)
 
 
@@ -111,6 +128,7 @@ class DiskIndex:
             return None
         out: OrderedDict[ChunkKey, IndexedObject] = OrderedDict()
         bad = records = pos = 0
+        strings: dict[bytes, str] = {}
         n = len(raw)
         while pos < n:
             if raw[pos:pos + 4] != MAGIC or pos + _FRAME.size > n:
@@ -126,8 +144,8 @@ class DiskIndex:
             try:
                 if length > _MAX_BODY or end > n or xxhash.xxh3_64_intdigest(body) != digest:
                     raise ValueError("checksum")
-                op, key, obj = _parse_body(body)
-            except (ValueError, KeyError, struct.error, CorruptChunkError):
+                op, key, obj = _parse_body(body, strings)
+            except (ValueError, struct.error):
                 bad += 1
                 nxt = raw.find(MAGIC, pos + 1)
                 if nxt < 0:

@@ -239,7 +239,7 @@ class DiskFile:
     meta: ChunkMeta
     nbytes: int
     mtime_ns: int
-    path: Path
+    path: str
 
 
 _FOREIGN: DiskFile = object()  # type: ignore[assignment]  # DiskTier._read_header: not this key's file
@@ -285,9 +285,12 @@ class DiskTier:
     def footprint(self, nbytes: int) -> int:
         return nbytes
 
+    def name_of(self, key: ChunkKey) -> str:
+        """The file name LMCache's fs connector writes for ``key`` (its naming, mirrored here)."""
+        return f"{self._namespace}@0x{0:08x}@{_BODY:x}@{key.hex()}.data"
+
     def path_of(self, key: ChunkKey) -> Path:
-        """The file LMCache's fs connector writes for ``key`` (its naming, mirrored here)."""
-        return self.path / f"{self._namespace}@0x{0:08x}@{_BODY:x}@{key.hex()}.data"
+        return self.path / self.name_of(key)
 
     def store(self, key: ChunkKey, obj: torch.Tensor) -> bool:
         # fs_native reports success but keeps an existing file when a key is stored again, so a
@@ -338,7 +341,7 @@ class DiskTier:
         corrupt = 0
         if loaded is not None:
             for key, obj in loaded[0].items():
-                entry = entries.pop(self.path_of(key).name, None)
+                entry = entries.pop(self.name_of(key), None)
                 if entry is None:
                     continue  # removed after its record (a crash before the delete record)
                 size = entry.stat().st_size
@@ -347,7 +350,7 @@ class DiskTier:
                     Path(entry.path).unlink(missing_ok=True)
                     corrupt += 1
                     continue
-                found.append(DiskFile(meta=obj.meta, nbytes=size, mtime_ns=0, path=Path(entry.path)))
+                found.append(DiskFile(meta=obj.meta, nbytes=size, mtime_ns=0, path=entry.path))
         unindexed: list[DiskFile] = []
         for entry in entries.values():
             if not entry.name.endswith(".data") or not entry.is_file():
@@ -381,10 +384,10 @@ class DiskTier:
             logger.warning("removing corrupt disk object %s: %s", entry.name, exc)
             Path(entry.path).unlink(missing_ok=True)
             return None
-        if self.path_of(meta.key) != Path(entry.path):
+        if self.name_of(meta.key) != entry.name:
             logger.warning("ignoring disk object %s: its header names key %s", entry.name, meta.key.hex())
             return _FOREIGN
-        return DiskFile(meta=meta, nbytes=st.st_size, mtime_ns=st.st_mtime_ns, path=Path(entry.path))
+        return DiskFile(meta=meta, nbytes=st.st_size, mtime_ns=st.st_mtime_ns, path=entry.path)
 
     def close(self, timeout: float) -> bool:
         ok = self._io.close(timeout)
