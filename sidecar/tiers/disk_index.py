@@ -112,12 +112,12 @@ class DiskIndex:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._live: OrderedDict[ChunkKey, bytes] = OrderedDict()  # key -> framed add record
+        self._live: OrderedDict[ChunkKey, IndexedObject] = OrderedDict()  # write order
         self._records = 0
         self._damaged = 0  # skipped at load: the next compaction drops them
         self._fd: int | None = None
 
-    def load(self) -> tuple[OrderedDict[ChunkKey, IndexedObject], int] | None:
+    def load(self) -> tuple[list[IndexedObject], int] | None:
         """The objects the log names (write order, deletes applied) and how many damaged
         records were skipped; ``None`` when there is no log (the caller scans instead). Opens
         the log for appending."""
@@ -126,7 +126,7 @@ class DiskIndex:
         except FileNotFoundError:
             self._open()
             return None
-        out: OrderedDict[ChunkKey, IndexedObject] = OrderedDict()
+        live = self._live
         bad = records = pos = 0
         strings: dict[bytes, str] = {}
         n = len(raw)
@@ -153,21 +153,16 @@ class DiskIndex:
                 pos = nxt
                 continue
             records += 1
+            live.pop(key, None)
             if op == "A":
-                out.pop(key, None)
-                out[key] = obj
-                self._live.pop(key, None)
-                self._live[key] = raw[pos:end]
-            else:
-                out.pop(key, None)
-                self._live.pop(key, None)
+                live[key] = obj
             pos = end
         self._records = records
         self._damaged = bad
         self._open()
         if bad:
             logger.warning("disk index %s: %d damaged records skipped", self.path, bad)
-        return out, bad
+        return list(live.values()), bad
 
     def _open(self) -> None:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -176,7 +171,7 @@ class DiskIndex:
         rec = _frame(_add_body(meta, nbytes))
         with self._lock:
             self._live.pop(meta.key, None)
-            self._live[meta.key] = rec
+            self._live[meta.key] = IndexedObject(meta, nbytes)
             self._append(rec)
 
     def delete(self, keys: Iterable[ChunkKey]) -> None:
@@ -198,7 +193,7 @@ class DiskIndex:
     def set(self, objects: Iterable[IndexedObject]) -> None:
         """Replace the log with ``objects`` in order (recovery after a scan)."""
         with self._lock:
-            self._live = OrderedDict((o.meta.key, _frame(_add_body(o.meta, o.nbytes))) for o in objects)
+            self._live = OrderedDict((o.meta.key, o) for o in objects)
             self._compact()
 
     def _due(self) -> bool:
@@ -221,7 +216,7 @@ class DiskIndex:
         tmp = self.path.with_name(self.path.name + ".tmp")
         try:
             with open(tmp, "wb") as f:
-                f.write(b"".join(self._live.values()))
+                f.write(b"".join(_frame(_add_body(o.meta, o.nbytes)) for o in self._live.values()))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)

@@ -328,29 +328,24 @@ class DiskTier:
         for key in keys:  # the connector's delete is best-effort; make sure the bytes are gone
             self.path_of(key).unlink(missing_ok=True)
 
-    def scan(self) -> tuple[list[DiskFile], int]:
+    def scan(self) -> tuple[list[IndexedObject], int]:
         """Objects on disk (oldest first) and the number of corrupt files removed. Reads the
-        index; files it does not name (or every file, without an index) have their header read."""
+        index and lists the directory (no file opened, no stat: a file damaged behind a valid
+        record is found on its first read); files the index does not name (or every file,
+        without an index) have their header read and their size checked."""
         loaded = self._index.load()
         prefix = f"{self._namespace}@"
         with os.scandir(self.path) as it:
             entries = {e.name: e for e in it if e.name.startswith(prefix)}
         for name in [n for n in entries if n.endswith(".tmp")]:
             Path(entries.pop(name).path).unlink(missing_ok=True)  # a write interrupted before its rename
-        found: list[DiskFile] = []
+        found: list[IndexedObject] = []
         corrupt = 0
         if loaded is not None:
-            for key, obj in loaded[0].items():
-                entry = entries.pop(self.name_of(key), None)
-                if entry is None:
-                    continue  # removed after its record (a crash before the delete record)
-                size = entry.stat().st_size
-                if size != obj.nbytes:
-                    logger.warning("removing corrupt disk object %s: size %d != %d", entry.name, size, obj.nbytes)
-                    Path(entry.path).unlink(missing_ok=True)
-                    corrupt += 1
-                    continue
-                found.append(DiskFile(meta=obj.meta, nbytes=size, mtime_ns=0, path=entry.path))
+            body = f"{self._namespace}@0x{0:08x}@{_BODY:x}@"
+            pop = entries.pop
+            # a record without its file: removed after the record (a crash before the delete record)
+            found = [obj for obj in loaded[0] if pop(body + obj.meta.key.hex() + ".data", None) is not None]
         unindexed: list[DiskFile] = []
         for entry in entries.values():
             if not entry.name.endswith(".data") or not entry.is_file():
@@ -361,13 +356,14 @@ class DiskTier:
             elif f is not _FOREIGN:
                 unindexed.append(f)
         unindexed.sort(key=lambda f: f.mtime_ns)
-        found += unindexed
         if loaded is None:
-            self._index.set(IndexedObject(f.meta, f.nbytes) for f in found)
+            found = [IndexedObject(f.meta, f.nbytes) for f in unindexed]
+            self._index.set(found)
         else:
-            self._index.retain(f.meta.key for f in found[: len(found) - len(unindexed)])
+            self._index.retain(o.meta.key for o in found)
             for f in unindexed:
                 self._index.add(f.meta, f.nbytes)
+                found.append(IndexedObject(f.meta, f.nbytes))
         self._last_mtime_ns = max([time.time_ns(), *(f.mtime_ns for f in unindexed)])
         return found, corrupt
 

@@ -119,6 +119,26 @@ class Placement:
             del self.entries[e.key]
             self.release_quota(e.tenant, e.meta.payload_nbytes)
 
+    def load(self, tier: Tier, entries: list[Entry]) -> None:
+        """``add`` + ``attach`` of many new chunks to ``tier`` at once, oldest first (recovery:
+        one pass, no per-chunk guard or share checks beyond the bookkeeping)."""
+        lru = self.lru[tier]
+        footprint = self.footprint
+        for e in entries:
+            assert e.key not in self.entries and e.local is None, f"{e.key.hex()} loaded twice; placement bug"
+            e.local = tier
+            fp = footprint(tier, e.obj_nbytes)
+            self.entries[e.key] = e
+            lru[e.key] = e
+            self.tenant_lru.setdefault((e.tenant, tier), OrderedDict())[e.key] = e
+            self.used[tier] += fp
+            self.tenant_used[(e.tenant, tier)] += fp
+            self.tenant_bytes[e.tenant] += e.meta.payload_nbytes
+            if self.guards:
+                g = self.guard_fp.get(self.guards.get(e.key, Guard.NONE))
+                if g is not None:
+                    g[tier] += fp
+
     def reserve_quota(self, tenant: str, nbytes: int) -> None:
         """Count ``nbytes`` of a new chunk against ``tenant`` before it is written; raises
         ``QuotaExceededError`` (nothing counted) past ``max_bytes``."""

@@ -1029,10 +1029,7 @@ class TieredStore:
             if corrupt:
                 self._counters.checksum_failures += corrupt
                 self._counters.losses[Reason.CORRUPTION] += corrupt
-            for f in files:
-                e = Entry(meta=f.meta, obj_nbytes=f.nbytes)
-                p.add(e)
-                p.attach(e, Tier.DISK)
+            p.load(Tier.DISK, [Entry(meta=f.meta, obj_nbytes=f.nbytes) for f in files])
             self._counters.recovered_chunks = len(files)
             lru = iter(list(p.lru[Tier.DISK].values()))
             while p.used[Tier.DISK] > p.capacity[Tier.DISK]:
