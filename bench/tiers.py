@@ -223,10 +223,14 @@ def main() -> None:
 
         print("concurrent Stores over gRPC (MiB/s of payload stored; best round)")
         result["stores"] = tiers_stores.run(roots, [1, 8], args.store_seconds, args.store_rounds)
+        print("TieredStore.put from 1 and 8 threads in one process (the store alone, 512 KiB chunks)")
+        result["stores"]["inproc"] = tiers_stores.run_inproc(roots, [1, 8], args.store_seconds, args.store_rounds)
         for arm, a in result["stores"]["arms"].items():
             by = a["by_clients"]
-            print(f"  {arm:>7}: 1 client {by['1']['mib_s']:.0f} MiB/s, 8 clients {by['8']['mib_s']:.0f} MiB/s, "
-                  f"8 vs 1: {a['speedup_8_vs_1']:.2f}x")
+            ip = result["stores"]["inproc"]["arms"][arm]
+            print(f"  {arm:>7}: gRPC 1 client {by['1']['mib_s']:.0f} MiB/s, 8 clients {by['8']['mib_s']:.0f} MiB/s "
+                  f"({a['speedup_8_vs_1']:.2f}x); put 1 thread {ip['mib_s']['1']:.0f} MiB/s, 8 threads "
+                  f"{ip['mib_s']['8']:.0f} MiB/s ({ip['speedup_8_vs_1']:.2f}x)")
     if "restart" in parts:
         from bench import tiers_restart
 
@@ -241,7 +245,7 @@ def main() -> None:
     if args.json:
         path = RESULTS / "tiers.json"
         before = _before(path)
-        if path.exists() and "rows" not in result:  # a partial run keeps the parts it did not redo
+        if path.exists():  # a partial run keeps the parts it did not redo
             result = {**json.loads(path.read_text()), **result}
         result["before"] = before
         path = write_results("tiers", result)

@@ -69,6 +69,67 @@ def server(root: Path, *flags: str) -> Iterator[tuple[str, int]]:
             proc.kill()
 
 
+_INPROC = """
+import os, sys, threading, time
+os.environ["LMCACHE_TRACK_USAGE"] = "false"
+import numpy as np
+from sidecar.identity import KVLayout
+from sidecar.tiers import StoreConfig, TieredStore
+threads, seconds, nbytes = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+layout = KVLayout.gqa(num_layers=4, num_kv_heads=4, head_dim=64, dtype="float16")
+tokens = nbytes // layout.bytes_per_token
+data = np.random.default_rng(3).integers(0, 256, nbytes, dtype=np.uint8)
+store = TieredStore(StoreConfig(namespace="inproc", cpu_bytes=64 << 20))
+counts = [0] * threads
+start = threading.Barrier(threads + 1)
+def work(t):
+    start.wait()
+    i = 0
+    while time.perf_counter() < deadline:
+        store.put(b"%d-%d" % (t, i), data, layout=layout, num_tokens=tokens, tenant="t%d" % (t % 4))
+        i += 1
+    counts[t] = i
+ths = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+for th in ths:
+    th.start()
+deadline = time.perf_counter() + seconds
+start.wait()
+for th in ths:
+    th.join()
+store.close()
+print(sum(counts) * nbytes / 2**20 / seconds)
+"""
+
+
+def inproc(root: Path, threads: int, seconds: float, nbytes: int) -> float:
+    """MiB/s of ``TieredStore.put`` from ``threads`` threads in one process (the store alone,
+    no gRPC), CPU tier of 64 MiB with eviction, run from the checkout at ``root``."""
+    python = root / ".venv" / "bin" / "python"
+    out = subprocess.run([str(python if python.exists() else sys.executable), "-c", _INPROC, str(threads),
+                          str(seconds), str(nbytes)], cwd=root, capture_output=True, text=True, check=True,
+                         env={**os.environ, "LMCACHE_TRACK_USAGE": "false"})
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def run_inproc(roots: dict[str, Path], threads: list[int], seconds: float, rounds: int,
+               nbytes: int = 512 << 10) -> dict:
+    """``inproc`` per (arm, threads), interleaved round by round; the best round is kept."""
+    got: dict[str, dict[int, list[float]]] = {arm: {n: [] for n in threads} for arm in roots}
+    for r in range(rounds):
+        for n in threads:
+            for arm, root in roots.items():
+                got[arm][n].append(inproc(root, n, seconds, nbytes))
+                print(f"  round {r} {arm:>8} {n:>2} threads: {got[arm][n][-1]:7.1f} MiB/s put", flush=True)
+    out: dict = {"chunk_bytes": nbytes, "seconds": seconds, "rounds": rounds, "arms": {}}
+    for arm in roots:
+        best = {n: max(v) for n, v in got[arm].items()}
+        lo, hi = min(threads), max(threads)
+        out["arms"][arm] = {"mib_s": {str(n): b for n, b in best.items()},
+                            "all_rounds_mib_s": {str(n): v for n, v in got[arm].items()},
+                            f"speedup_{hi}_vs_{lo}": best[hi] / best[lo]}
+    return out
+
+
 async def _prepare(c: SidecarClient, rng: np.random.Generator, n: int) -> list[tuple[np.ndarray, dict]]:
     per_tok = LAYOUT.bytes_per_token
     out = []
