@@ -5,14 +5,16 @@
     python -m bench.tiers --only throughput --sizes 1,4 --samples 5 --threads 2
     python -m bench.tiers --baseline /work/main   # Stores and restart also against another checkout
 
-Three parts (``--only throughput,stores,restart``):
+Four parts (``--only throughput,stores,restart,remote``):
 
 * ``throughput`` (below);
 * ``stores``: Store throughput of 1 and 8 concurrent gRPC clients against one sidecar process
   (``bench.tiers_stores``); with ``--baseline`` the other checkout's server is measured in the
   same run, interleaved;
 * ``restart``: time from process start to the first Lookup served over a disk tier of
-  ``--restart-chunks`` chunks (``bench.tiers_restart``; with ``--baseline``, alternating).
+  ``--restart-chunks`` chunks (``bench.tiers_restart``; with ``--baseline``, alternating);
+* ``remote``: put and batched get on a remote-only store against a real Redis
+  (``bench.tiers_remote``; with ``--baseline``, alternating).
 
 For payloads of 1, 4 and 16 MiB, times ``TieredStore.put`` / ``get`` on the CPU tier (LMCache
 L1) and on the disk tier (LMCache fs_native, CPU tier disabled) against, measured in the same
@@ -198,7 +200,7 @@ def _before(path: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default="throughput,stores,restart", help="parts to run, comma separated")
+    parser.add_argument("--only", default="throughput,stores,restart,remote", help="parts to run, comma separated")
     parser.add_argument("--sizes", default="1,4,16", help="payload sizes in MiB, comma separated")
     parser.add_argument("--samples", type=int, default=9, help="samples per measurement (best is kept)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -242,6 +244,11 @@ def main() -> None:
         for arm, a in result["restart"]["arms"].items():
             print(f"  restart over {result['restart']['chunks']} chunks, {arm:>7}: first Lookup "
                   f"{a['first_lookup_s']:.2f} s (empty-disk start {a['empty_disk_first_lookup_s']:.2f} s)")
+    if "remote" in parts:
+        from bench import tiers_remote
+
+        print("remote tier (Redis): put and batched get of 64 x 1 MiB, remote-only store")
+        result["remote"] = tiers_remote.run(roots, rounds=args.store_rounds)
     if args.json:
         path = RESULTS / "tiers.json"
         before = _before(path)

@@ -136,8 +136,8 @@ class TieredStore:
             self._io.footprint,
             config.quota_for,
         )
-        # Remote copies this store is deleting: not looked up as "foreign" chunks meanwhile (a
-        # RESP GET of a key deleted after its EXISTS hangs the connection until the timeout).
+        # Remote copies this store is deleting: not looked up (nor promoted back) as "foreign"
+        # chunks meanwhile.
         self._remote_removing: Counter[ChunkKey] = Counter()
         if self._io.disk is not None:
             self._recover()
@@ -372,6 +372,7 @@ class TieredStore:
         """Write a new chunk to the first candidate tier that takes it and index it; the
         tenant's quota is already reserved (given back on refusal)."""
         last: _NoRoom | None = None
+        failed: IOFailure | None = None
         key = meta.key
         for tier in candidates:
             fp = self._io.footprint(tier, obj_nbytes)
@@ -386,9 +387,10 @@ class TieredStore:
                 self._release(tier, meta.tenant, fp)
                 last = exc
                 continue
-            except IOFailure:
+            except IOFailure as exc:
                 self._release(tier, meta.tenant, fp)
                 logger.warning("write of %s to %s failed; trying the next tier", key.hex(), tier.value)
+                failed = exc
                 continue
             except BaseException:
                 self._release(tier, meta.tenant, fp)
@@ -407,6 +409,8 @@ class TieredStore:
         p = self._place
         with self._lock:
             p.release_quota(meta.tenant, meta.payload_nbytes)
+            if last is None and failed is not None:  # not full: the backend failed every write
+                raise TierUnavailableError(f"no tier took the chunk: {failed}")
             self._counters.capacity_refusals += 1
             tier = last.tier if last is not None else (candidates[-1] if candidates else None)
             raise CapacityError(

@@ -21,7 +21,8 @@ import torch
 
 from sidecar.tiers.config import StoreConfig
 from sidecar.tiers.envelope import HEADER_NBYTES, CorruptChunkError, checksum, object_nbytes, parse_header, write_header
-from sidecar.tiers.l2_tiers import DiskTier, LoadFailure, RemoteTier
+from sidecar.tiers.l2_tiers import DiskTier, LoadFailure
+from sidecar.tiers.remote_tier import RemoteTier
 from sidecar.tiers.memory_tiers import CpuTier, DeviceTier, MemoryTier
 from sidecar.tiers.types import TIER_ORDER, ChunkKey, ChunkMeta, FetchedChunk, Tier
 
