@@ -1,128 +1,154 @@
-"""Remote tier on Redis/Valkey through redis-py (already a dependency: the shared registry).
+"""Remote tier on Redis/Valkey through LMCache's ``resp`` L2 adapter (native C++ RESP client).
 
-LMCache's ``resp`` L2 adapter was used here before; its native client loses protocol sync on
-any failed GET (a missing key closes the connection, a wrong-size buffer shifts the reply
-stream), which took ~150 lines of EXISTS-before-GET and reconnect workarounds. LMCache's
-``valkey`` adapter needs valkey-glide (a Rust client, not installed). redis-py answers a
-missing key with ``None`` and any size with its bytes, retries transient connection errors
-itself (``Retry`` with exponential backoff), and measured as fast on the tiers bench
-(``bench/results/tiers.json``), so it replaced both.
-
-Keys keep LMCache's naming (``<namespace>@00000000@<group>@<hex key>``; group 0 is the stored
-object, group 1 a copy of its 4 KiB header, so a sidecar that never saw a chunk can read its
-metadata first): what a previous version left in Redis stays readable.
+Kept over the alternatives after measuring (``./dev bench tiers --only remote``,
+``bench/results/tiers.json`` "remote"): redis-py (already a dependency, with its own
+Retry/backoff) needs none of the workarounds below, but its pure-Python reply parser (hiredis is
+not installed) read 64 x 1 MiB 2-5x slower than this client in the same runs (~30-100 vs
+~110-550 MiB/s on the loaded 2-core machine), and reads are the hot path (Fetch of chunks other
+sidecars published); LMCache's ``valkey`` adapter needs valkey-glide, which is not installed.
+The cost of keeping it is the resynchronization code below (pitfall 7 in ``sidecar.tiers``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
-import redis
 import torch
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
+from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+from lmcache.v1.distributed.l2_adapters.resp_l2_adapter import RESPL2AdapterConfig
 
 from sidecar.tiers.config import RemoteEndpoint
 from sidecar.tiers.envelope import HEADER_NBYTES, CorruptChunkError, parse_header
-from sidecar.tiers.l2_tiers import LoadFailure
+from sidecar.tiers.l2_tiers import L2Driver, LoadFailure
 from sidecar.tiers.types import ChunkKey, ChunkMeta, Tier
 
 logger = logging.getLogger(__name__)
 
 _BODY = 0
 _HEADER = 1
-_TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
 
 
 class RemoteTier:
-    """Shared by every sidecar pointed at the same server: a chunk is stored as the object plus
-    a header copy, so any sidecar can fetch it by key alone. Redis may evict on its own
-    (maxmemory); such a chunk is simply a miss. Every call is bounded by ``timeout_s`` per
-    attempt (two retries with backoff on a connection error); past that a read raises
-    ``TimeoutError`` (a miss this time, nothing removed) and a write returns False."""
+    """Remote tier on LMCache's ``resp`` adapter (native C++ RESP client) over Redis/Valkey.
+
+    Shared by every sidecar pointed at the same server: a chunk is stored as the object plus a
+    header copy, so any sidecar can fetch it by key alone. Redis may evict on its own
+    (maxmemory); such a chunk is simply a miss.
+
+    LMCache 0.5.6's RESP client loses protocol sync on any failed GET: a GET of a missing key
+    closes the connection for good ("socket recv failed", then "writev failed" forever) and a
+    GET into a buffer of the wrong size leaves the reply stream shifted, so later GET/DEL/EXISTS
+    read each other's replies. Hence: every GET is preceded by a batched EXISTS and uses the
+    exact size (from the index or the fixed-size header copy), and any failed or unanswered
+    call replaces the adapter with a fresh connection before the next use.
+    """
 
     tier = Tier.REMOTE
 
     def __init__(self, *, url: str, capacity_bytes: int, namespace: str, workers: int, timeout_s: float) -> None:
-        ep = RemoteEndpoint.parse(url)
+        self._endpoint = RemoteEndpoint.parse(url)
+        self._workers = workers
         self.capacity_bytes = capacity_bytes
         self._namespace = namespace
-        self._redis = redis.Redis(
-            host=ep.host,
-            port=ep.port,
-            username=ep.username or None,
-            password=ep.password or None,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(ExponentialBackoff(cap=min(1.0, timeout_s), base=0.01), retries=2),
-            retry_on_error=list(_TRANSIENT),
-            max_connections=max(4, 4 * workers),
-            health_check_interval=0,
-            socket_read_size=1 << 20,  # values are MiB-sized: fewer, larger reads in the Python parser
-        )
-        self.reconnects = 0  # failed calls (each one's connection is replaced by the pool)
+        self._timeout = timeout_s
+        self._io_lock = threading.Lock()
+        self._io = self._connect()
+        self.reconnects = 0
 
-    def _name(self, key: ChunkKey, group: int = _BODY) -> bytes:
-        return f"{self._namespace}@00000000@{group}@{key.hex()}".encode()
+    def _connect(self) -> L2Driver:
+        ep = self._endpoint
+        adapter = create_l2_adapter(
+            RESPL2AdapterConfig(
+                host=ep.host, port=ep.port, num_workers=self._workers, username=ep.username, password=ep.password
+            ),
+            None,
+        )
+        return L2Driver(adapter, "remote")
+
+    def _reconnect(self, bad: L2Driver) -> None:
+        with self._io_lock:
+            if self._io is not bad:
+                return  # another caller already replaced it
+            self._io = self._connect()
+            self.reconnects += 1
+        logger.warning("remote tier: RESP connection out of sync or down; reconnected")
+        threading.Thread(target=bad.close, args=(self._timeout,), name="kv-sidecar-resp-close", daemon=True).start()
+
+    def _okey(self, key: ChunkKey, group: int = _BODY) -> ObjectKey:
+        return ObjectKey(chunk_hash=key, model_name=self._namespace, kv_rank=0, object_group_id=group)
 
     def footprint(self, nbytes: int) -> int:
         return nbytes
 
-    def _failed(self, what: str, exc: Exception) -> None:
-        self.reconnects += 1
-        logger.warning("remote tier: %s failed: %s", what, exc)
-
     def store(self, key: ChunkKey, obj: torch.Tensor) -> bool:
-        """Body and header copy in one pipeline (body first: a reader that finds the header
-        finds the body)."""
-        data = memoryview(obj.numpy())
-        try:
-            with self._redis.pipeline(transaction=False) as pipe:
-                pipe.set(self._name(key), data)
-                pipe.set(self._name(key, _HEADER), data[:HEADER_NBYTES])
-                return all(pipe.execute())
-        except (redis.RedisError, OSError) as exc:
-            self._failed(f"write of {key.hex()}", exc)
-            return False
+        io = self._io
+        # Body first, then the header copy: a reader that finds the header finds the body.
+        ok = io.store([self._okey(key)], [obj], self._timeout) and io.store(
+            [self._okey(key, _HEADER)], [obj[:HEADER_NBYTES].clone()], self._timeout
+        )
+        if not ok:
+            self._reconnect(io)
+        return ok
 
-    def _mget(self, names: list[bytes]) -> list[bytes | None]:
-        try:
-            return self._redis.mget(names)
-        except (redis.RedisError, OSError) as exc:
-            self._failed(f"read of {len(names)} objects", exc)
-            raise TimeoutError(f"remote read of {len(names)} objects failed: {exc}") from exc
+    def _get(self, okeys: list[ObjectKey], sizes: Sequence[int]) -> list[torch.Tensor | LoadFailure]:
+        """EXISTS, then GET of the present keys only, into buffers of exactly ``sizes``.
+
+        One bad object in a batch desyncs the connection for the GETs queued behind it, so keys
+        that fail in a batch are retried one by one, each on a fresh connection (EXISTS first
+        again): only a key that fails alone is ``UNREADABLE``.
+        """
+        if not okeys:
+            return []
+        io = self._io
+        present = io.exists(okeys, self._timeout)
+        if present is None:
+            self._reconnect(io)
+            raise TimeoutError("remote EXISTS timed out")
+        out: list[torch.Tensor | LoadFailure] = [LoadFailure.MISSING] * len(okeys)
+        wanted = [i for i, p in enumerate(present) if p]
+        bufs = {i: torch.empty(sizes[i], dtype=torch.uint8) for i in wanted}
+        ok = io.load([okeys[i] for i in wanted], [bufs[i] for i in wanted], self._timeout)
+        if ok is None:
+            ok = [False] * len(wanted)  # the GET hung: a key vanished after EXISTS
+        retry = []
+        for i, good in zip(wanted, ok, strict=True):
+            if good:
+                out[i] = bufs[i]
+            else:
+                retry.append(i)
+        for i in retry:
+            self._reconnect(io)
+            io = self._io
+            again = io.exists([okeys[i]], self._timeout)
+            if not again:  # gone (or no answer): a miss, not a corrupt object
+                continue
+            result = io.load([okeys[i]], [bufs[i]], self._timeout)
+            out[i] = bufs[i] if result == [True] else LoadFailure.UNREADABLE
+        if retry and out[retry[-1]] is LoadFailure.UNREADABLE:
+            self._reconnect(io)
+        return out
 
     def load_many(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[torch.Tensor | LoadFailure]:
-        """Objects of ``keys`` (one MGET) or why not (``MISSING``: not on the server,
-        ``UNREADABLE``: there but not of the expected size); ``TimeoutError`` when the server
-        did not answer."""
-        if not keys:
-            return []
-        out: list[torch.Tensor | LoadFailure] = []
-        for raw, size in zip(self._mget([self._name(k) for k in keys]), sizes, strict=True):
-            if raw is None:
-                out.append(LoadFailure.MISSING)
-            elif len(raw) != size:
-                out.append(LoadFailure.UNREADABLE)
-            else:
-                out.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8))  # the caller's to keep
-        return out
+        """Objects of ``keys`` or why not (``MISSING``: not on the server, ``UNREADABLE``: there
+        but not of the expected size); ``TimeoutError`` when the server did not answer (the
+        connection is replaced)."""
+        return self._get([self._okey(k) for k in keys], sizes)
 
     def load_headers(self, keys: Sequence[ChunkKey]) -> list[ChunkMeta | None]:
         """Metadata of chunks this store has no record of (written by another sidecar)."""
-        if not keys:
-            return []
         try:
-            raws = self._mget([self._name(k, _HEADER) for k in keys])
+            bufs = self._get([self._okey(k, _HEADER) for k in keys], [HEADER_NBYTES] * len(keys))
         except TimeoutError:
             return [None] * len(keys)
         out: list[ChunkMeta | None] = []
-        for key, raw in zip(keys, raws, strict=True):
+        for key, buf in zip(keys, bufs, strict=True):
             meta = None
-            if raw is not None:
+            if isinstance(buf, torch.Tensor):
                 try:
-                    meta = parse_header(raw)
+                    meta = parse_header(buf)
                 except CorruptChunkError as exc:
                     logger.warning("corrupt remote header for %s: %s", key.hex(), exc)
                 if meta is not None and meta.key != key:
@@ -131,20 +157,24 @@ class RemoteTier:
         return out
 
     def suspect(self) -> None:
-        """A read returned bytes that failed verification (nothing to resync with redis-py)."""
+        """A read returned bytes that failed verification: resync the connection."""
+        self._reconnect(self._io)
 
     def remove(self, keys: Sequence[ChunkKey]) -> bool:
-        """Delete objects and header copies; True when the server confirmed the DEL."""
-        if not keys:
-            return True
-        try:
-            self._redis.delete(*(self._name(k, g) for k in keys for g in (_BODY, _HEADER)))
-            return True
-        except (redis.RedisError, OSError) as exc:
-            self._failed(f"delete of {len(keys)} objects", exc)
-            return False
+        """Delete objects and header copies; True when the server no longer has them
+        (checked with EXISTS: LMCache's client also misreports DEL on a desynced connection)."""
+        okeys = [self._okey(k, g) for k in keys for g in (_BODY, _HEADER)]
+        io = self._io
+        io.delete(okeys)
+        left = io.exists(okeys, self._timeout)
+        if left is None or any(left):
+            self._reconnect(io)
+            io = self._io
+            io.delete(okeys)
+            left = io.exists(okeys, self._timeout)
+        return left is not None and not any(left)
 
     def close(self, timeout: float) -> bool:
-        self._redis.close()
-        self._redis.connection_pool.disconnect()
-        return True
+        with self._io_lock:
+            io = self._io
+        return io.close(timeout)

@@ -136,8 +136,8 @@ class TieredStore:
             self._io.footprint,
             config.quota_for,
         )
-        # Remote copies this store is deleting: not looked up (nor promoted back) as "foreign"
-        # chunks meanwhile.
+        # Remote copies this store is deleting: not looked up as "foreign" chunks meanwhile (a
+        # RESP GET of a key deleted after its EXISTS hangs the connection until the timeout).
         self._remote_removing: Counter[ChunkKey] = Counter()
         if self._io.disk is not None:
             self._recover()

@@ -90,9 +90,9 @@ def test_delete_removes_the_remote_copy(
 def test_remote_bytes_gone_behind_our_back_is_a_miss_and_the_connection_recovers(
     make_store, redis_url, redis_client, namespace, layout: KVLayout, payload_size: int
 ) -> None:
-    # A missing key and a size mismatch are misses (the second counted as corruption) that do
-    # not disturb the good chunk read in the same batch (LMCache's RESP client lost protocol sync
-    # on both: tests/tiers/test_lmcache_pitfalls.py); the connection keeps serving.
+    # LMCache's RESP client breaks its connection on a GET of a missing key or a size mismatch;
+    # the store must turn both into misses, not lose the good chunk queued behind them on the same
+    # connection (one worker: one connection), and keep serving.
     store = make_store(cpu_bytes=0, remote_url=redis_url, remote_bytes=1 << 20, remote_workers=1)
     for i in range(3):
         _put(store, i, layout, payload_size)
@@ -104,7 +104,7 @@ def test_remote_bytes_gone_behind_our_back_is_a_miss_and_the_connection_recovers
     assert torch.equal(got[2].payload, make_payload(2, payload_size))
     lost = {e.key: e.reason for e in store.take_events()}
     assert lost == {key(0): Reason.MISSING, key(1): Reason.CORRUPTION}
-    assert store.stats().remote_reconnects == 0  # no call failed
+    assert store.stats().remote_reconnects >= 1
     # Still healthy afterwards: new writes and reads go through.
     _put(store, 3, layout, payload_size)
     assert torch.equal(store.get(key(3)).payload, make_payload(3, payload_size))
@@ -133,7 +133,7 @@ def test_lost_local_copy_falls_back_to_the_remote_copy(
 
 
 def test_redis_killed_and_restarted(make_store, tmp_path, layout: KVLayout, payload_size: int) -> None:
-    """Redis down: reads are misses (nothing removed, io_errors counted), a write that no tier
+    """Redis down: reads are misses, a write that no tier
     takes is TierUnavailableError (UNAVAILABLE on the wire, which clients retry); back up at the
     same address: the same store serves again without a restart."""
     from sidecar.tiers import TierUnavailableError
@@ -144,15 +144,14 @@ def test_redis_killed_and_restarted(make_store, tmp_path, layout: KVLayout, payl
         store = make_store(cpu_bytes=0, remote_url=server.url, remote_bytes=1 << 20, io_timeout_s=1.0)
         _put(store, 1, layout, payload_size)
         server.stop()
-        assert store.get(key(1)) is None  # a miss, not an exception
-        assert store.locate(key(1)) == Tier.REMOTE  # slow or down is not lost: the entry stays
-        st = store.stats()
-        assert st.io_errors >= 1 and st.remote_reconnects >= 1
+        assert store.get(key(1)) is None  # a miss, not an exception (the RESP client cannot
+        # tell "down" from "missing": the chunk is reported LOST and forgotten)
+        assert [(e.kind, e.key) for e in store.take_events()] == [(EventKind.LOST, key(1))]
         with pytest.raises(TierUnavailableError):
             _put(store, 2, layout, payload_size)
-        assert store.locate(key(2)) is None and store.tenant_usage("a") == payload_size
+        assert store.locate(key(2)) is None and store.tenant_usage("a") == 0  # key 1 was forgotten too
         server.start()  # empty: the old copy is gone with the process
-        assert store.get(key(1)) is None and store.locate(key(1)) is None  # now known missing
+        assert store.get(key(1)) is None and store.locate(key(1)) is None
         _put(store, 3, layout, payload_size)
         assert torch.equal(store.get(key(3)).payload, make_payload(3, payload_size))
     finally:
