@@ -1,8 +1,20 @@
-"""Tiered-store throughput as a fraction of a plain memory copy and of plain file I/O.
+"""Tiered store: throughput vs memcpy and file I/O, concurrent Stores, restart time.
 
-    python -m bench.tiers                 # table on stdout
-    python -m bench.tiers --json          # also bench/results/tiers.json
-    python -m bench.tiers --sizes 1,4 --samples 5 --threads 2
+    python -m bench.tiers                 # all three parts, tables on stdout
+    python -m bench.tiers --json          # also bench/results/tiers.json (earlier rows kept under "before")
+    python -m bench.tiers --only throughput --sizes 1,4 --samples 5 --threads 2
+    python -m bench.tiers --baseline /work/main   # Stores and restart also against another checkout
+
+Four parts (``--only throughput,stores,restart,remote``):
+
+* ``throughput`` (below);
+* ``stores``: Store throughput of 1 and 8 concurrent gRPC clients against one sidecar process
+  (``bench.tiers_stores``); with ``--baseline`` the other checkout's server is measured in the
+  same run, interleaved;
+* ``restart``: time from process start to the first Lookup served over a disk tier of
+  ``--restart-chunks`` chunks (``bench.tiers_restart``; with ``--baseline``, alternating);
+* ``remote``: put and batched get on a remote-only store against a real Redis
+  (``bench.tiers_remote``; with ``--baseline``, alternating).
 
 For payloads of 1, 4 and 16 MiB, times ``TieredStore.put`` / ``get`` on the CPU tier (LMCache
 L1) and on the disk tier (LMCache fs_native, CPU tier disabled) against, measured in the same
@@ -23,6 +35,7 @@ on a busy 2-core host a multi-threaded ``copy_`` of a few MiB collapses).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import tempfile
@@ -34,7 +47,7 @@ os.environ["LMCACHE_TRACK_USAGE"] = "false"  # before LMCache is imported
 
 import torch
 
-from bench.harness import machine, write_results
+from bench.harness import RESULTS, machine, write_results
 from sidecar.identity import KVLayout
 from sidecar.tiers import StoreConfig, TieredStore
 from sidecar.tiers.envelope import HEADER_NBYTES
@@ -158,23 +171,13 @@ def run_size(size_mib: int, samples: int, workdir: Path) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="1,4,16", help="payload sizes in MiB, comma separated")
-    parser.add_argument("--samples", type=int, default=9, help="samples per measurement (best is kept)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--dir", default=None, help="scratch directory for the disk tier and plain files")
-    parser.add_argument("--json", action="store_true", help="also write bench/results/tiers.json")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    sizes = [int(s) for s in args.sizes.split(",")]
-    workdir = Path(tempfile.mkdtemp(prefix="kvs-bench-tiers-", dir=args.dir))
+def _throughput(sizes: list[int], samples: int, threads: int, scratch: str | None) -> list[dict]:
+    workdir = Path(tempfile.mkdtemp(prefix="kvs-bench-tiers-", dir=scratch))
     try:
-        rows = [row for size in sizes for row in run_size(size, args.samples, workdir)]
+        rows = [row for size in sizes for row in run_size(size, samples, workdir)]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-
-    print(f"tiered store vs copy_ and plain file I/O (best of {args.samples}, torch threads={args.threads})")
+    print(f"tiered store vs copy_ and plain file I/O (best of {samples}, torch threads={threads})")
     print(
         f"{'size':>6} {'op':<9} {'store GB/s':>10} {'copy_ GB/s':>10} {'file GB/s':>9} {'vs copy_':>8} {'vs file':>8}"
     )
@@ -184,10 +187,75 @@ def main() -> None:
             f"{r['size_mib']:>4}Mi {r['op']:<9} {r['store_gbps']:>10.2f} {r['copy_gbps']:>10.2f} {file_gbps:>9.2f} "
             f"{r['vs_copy']:>8.2f} {r['vs_file']:>8.2f}"
         )
+    return rows
+
+
+def _before(path: Path) -> dict:
+    """What the previous results file measured before issue 14 (kept, never overwritten)."""
+    if not path.exists():
+        return {}
+    old = json.loads(path.read_text())
+    return old.get("before") or {k: old[k] for k in ("machine", "rows", "samples", "threads") if k in old}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="throughput,stores,restart,remote", help="parts to run, comma separated")
+    parser.add_argument("--sizes", default="1,4,16", help="payload sizes in MiB, comma separated")
+    parser.add_argument("--samples", type=int, default=9, help="samples per measurement (best is kept)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--dir", default=None, help="scratch directory for the disk tier and plain files")
+    parser.add_argument("--baseline", default=None, help="another checkout measured as the 'before' arm")
+    parser.add_argument("--store-seconds", type=float, default=6.0, help="timed window per Store measurement")
+    parser.add_argument("--store-rounds", type=int, default=3)
+    parser.add_argument("--restart-chunks", type=int, default=100_000)
+    parser.add_argument("--restart-rounds", type=int, default=2)
+    parser.add_argument("--json", action="store_true", help="also write bench/results/tiers.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    parts = set(args.only.split(","))
+    roots = {"after": Path(__file__).resolve().parents[1]}
+    if args.baseline:
+        roots = {"before": Path(args.baseline), **roots}
+    result: dict = {"machine": machine(), "threads": args.threads, "samples": args.samples}
+    if "throughput" in parts:
+        result["rows"] = _throughput([int(s) for s in args.sizes.split(",")], args.samples, args.threads, args.dir)
+    if "stores" in parts:
+        from bench import tiers_stores
+
+        print("concurrent Stores over gRPC (MiB/s of payload stored; best round)")
+        result["stores"] = tiers_stores.run(roots, [1, 8], args.store_seconds, args.store_rounds)
+        print("TieredStore.put from 1 and 8 threads in one process (the store alone, 512 KiB chunks)")
+        result["stores"]["inproc"] = tiers_stores.run_inproc(roots, [1, 8], args.store_seconds, args.store_rounds)
+        for arm, a in result["stores"]["arms"].items():
+            by = a["by_clients"]
+            ip = result["stores"]["inproc"]["arms"][arm]
+            print(f"  {arm:>7}: gRPC 1 client {by['1']['mib_s']:.0f} MiB/s, 8 clients {by['8']['mib_s']:.0f} MiB/s "
+                  f"({a['speedup_8_vs_1']:.2f}x); put 1 thread {ip['mib_s']['1']:.0f} MiB/s, 8 threads "
+                  f"{ip['mib_s']['8']:.0f} MiB/s ({ip['speedup_8_vs_1']:.2f}x)")
+    if "restart" in parts:
+        from bench import tiers_restart
+
+        workdir = Path(tempfile.mkdtemp(prefix="kvs-bench-restart-", dir=args.dir))
+        try:
+            result["restart"] = tiers_restart.run(roots, args.restart_chunks, args.restart_rounds, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        for arm, a in result["restart"]["arms"].items():
+            print(f"  restart over {result['restart']['chunks']} chunks, {arm:>7}: first Lookup "
+                  f"{a['first_lookup_s']:.2f} s (empty-disk start {a['empty_disk_first_lookup_s']:.2f} s)")
+    if "remote" in parts:
+        from bench import tiers_remote
+
+        print("remote tier (Redis): put and batched get of 64 x 1 MiB, remote-only store")
+        result["remote"] = tiers_remote.run(roots, rounds=args.store_rounds)
     if args.json:
-        path = write_results(
-            "tiers", {"machine": machine(), "threads": args.threads, "samples": args.samples, "rows": rows}
-        )
+        path = RESULTS / "tiers.json"
+        before = _before(path)
+        if path.exists():  # a partial run keeps the parts it did not redo
+            result = {**json.loads(path.read_text()), **result}
+        result["before"] = before
+        path = write_results("tiers", result)
         print(f"wrote {path}")
 
 

@@ -179,15 +179,20 @@ class DataPlane:
         """Rebuild registry entries for chunks the tiers already hold (restart recovery)."""
         reg = self.index.registry
         n = 0
-        for meta in self.store.list_chunks():
-            entry = decode_aux(meta)
-            if entry is None:
-                logger.warning("chunk %s has no usable registry metadata; deleting it", meta.key.hex())
-                self.store.delete([meta.key])
-                continue
-            reg.set_state(entry, entry.state, self._tier_of(meta.key))  # not registered yet
-            if reg.insert(entry):
-                n += 1
+        seen: set[bytes] = set()
+        for tier in self.store.tiers:  # fastest first: a chunk is registered at its fastest tier
+            for meta in self.store.list_chunks(tier):
+                if meta.key in seen:
+                    continue
+                seen.add(meta.key)
+                entry = decode_aux(meta)
+                if entry is None:
+                    logger.warning("chunk %s has no usable registry metadata; deleting it", meta.key.hex())
+                    self.store.delete([meta.key])
+                    continue
+                reg.set_state(entry, entry.state, tier.value)  # not registered yet
+                if reg.insert(entry):
+                    n += 1
         self.sync()
         if n:
             logger.info("recovered %d chunks from the tiers", n)

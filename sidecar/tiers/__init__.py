@@ -13,7 +13,8 @@ The store drives LMCache's storage *components* from ``lmcache.v1.distributed`` 
   object is invisible until ``finish_write``, a read-locked one cannot be deleted);
 * disk tier: the ``fs_native`` L2 adapter (C++ file connector, tmp file + rename);
 * remote tier: the ``resp`` L2 adapter (C++ RESP client for Redis/Valkey), created through
-  LMCache's adapter factory and config classes;
+  LMCache's adapter factory and config classes (``remote_tier``: why it is kept over redis-py
+  and LMCache's ``valkey`` adapter);
 * GPU tier: LMCache has none; a device tensor carved by LMCache's ``TensorMemoryAllocator``,
   with the L1 as host staging (``memory_tiers.DeviceTier``).
 
@@ -62,9 +63,11 @@ LMCache 0.5.6 pitfalls (verified here) and how the store handles them
 8. (found here) ``fs_native`` keeps no index and cannot list keys; storing an existing key
    "succeeds" but keeps the old file; a GET into a smaller buffer succeeds with a prefix. The
    metadata (key, tenant, scope, layout fingerprint, tokens, position, checksum) lives in each
-   object's 4 KiB header, a restart scans the directory (headers verified, sizes checked,
-   ``.tmp`` leftovers removed, LRU order from strictly increasing stamped mtimes), a file is
-   unlinked before it is written, and every read uses the exact size and a checksum.
+   object's 4 KiB header and in the tier's own index log (``disk_index``: a restart reads it
+   instead of every header; without it, the directory is scanned: headers verified, sizes
+   checked, LRU order from strictly increasing stamped mtimes); ``.tmp`` leftovers are
+   removed, a file is unlinked before it is written, and every read uses the exact size and a
+   checksum.
 9. Telemetry and ``multiprocessing.set_start_method("spawn", force=True)`` come with the
    engine-level API (``LMCacheEngine``), which is not used; importing the distributed layer has
    neither side effect (tested). Processes that import LMCache should still set

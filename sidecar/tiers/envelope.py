@@ -54,7 +54,8 @@ def checksum(payload: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(payload.numpy()))
 
 
-def _meta_json(meta: ChunkMeta) -> bytes:
+def meta_json(meta: ChunkMeta) -> bytes:
+    """The metadata part of the header (also the body of a disk index record)."""
     doc = {
         "k": meta.key.hex(),
         "t": meta.tenant,
@@ -70,7 +71,7 @@ def _meta_json(meta: ChunkMeta) -> bytes:
 
 def write_header(header: torch.Tensor, meta: ChunkMeta) -> None:
     """Fill ``header`` (a 1-D uint8 CPU tensor of ``HEADER_NBYTES``) for ``meta``."""
-    body = _meta_json(meta)
+    body = meta_json(meta)
     if len(body) > _META_MAX:
         raise ValueError(f"chunk metadata is {len(body)} bytes, at most {_META_MAX} fit the header")
     fixed = _FIXED.pack(MAGIC, VERSION, len(body), meta.payload_nbytes, meta.checksum, 0)
@@ -100,6 +101,11 @@ def parse_header(header: torch.Tensor | bytes | memoryview) -> ChunkMeta:
     body = raw[_FIXED.size : _FIXED.size + meta_len]
     if xxhash.xxh3_64_intdigest(raw[:32] + body) != header_sum:
         raise CorruptChunkError("header checksum mismatch")
+    return meta_from_json(body, payload_nbytes=int(payload_len), checksum=int(payload_sum))
+
+
+def meta_from_json(body: bytes, *, payload_nbytes: int, checksum: int) -> ChunkMeta:
+    """Inverse of ``meta_json``; raises ``CorruptChunkError`` for unreadable metadata."""
     try:
         doc = json.loads(body)
         return ChunkMeta(
@@ -108,10 +114,10 @@ def parse_header(header: torch.Tensor | bytes | memoryview) -> ChunkMeta:
             scope=doc["s"],
             layout_fingerprint=doc["l"],
             num_tokens=int(doc["n"]),
-            payload_nbytes=int(payload_len),
+            payload_nbytes=payload_nbytes,
             source_position=int(doc["p"]),
             aux=base64.b64decode(doc["a"]),
-            checksum=int(payload_sum),
+            checksum=checksum,
             created_at=float(doc["c"]),
         )
     except (ValueError, KeyError, TypeError) as exc:

@@ -1,14 +1,12 @@
-"""Object tiers on LMCache L2 adapters: local disk (``fs_native``) and remote RESP (Redis).
+"""The disk tier on LMCache's ``fs_native`` L2 adapter (the remote tier: ``remote_tier``).
 
 LMCache's L2 adapters are non-blocking (submit a task, poll an eventfd, pop the result).
 ``L2Driver`` turns one adapter into blocking batch calls with timeouts: a dispatcher thread
 polls the adapter's eventfds and wakes waiters; buffers of a task that timed out stay referenced
 until the adapter reports it, so a late completion never writes into freed memory.
 
-Objects are stored under ``ObjectKey(chunk_hash=key, model_name=namespace, kv_rank=0)``:
-``object_group_id`` 0 is the stored object (header + payload); on the remote tier group 1 holds
-a copy of the 4 KiB header, so a sidecar that never saw a chunk can size its load (the RESP
-client needs the exact size and fails a GET into a differently sized buffer).
+Objects are stored under ``ObjectKey(chunk_hash=key, model_name=namespace, kv_rank=0)``
+(``object_group_id`` 0: the stored object, header + payload).
 """
 
 from __future__ import annotations
@@ -29,18 +27,16 @@ from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.l2_adapters import create_l2_adapter
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.fs_native_l2_adapter import FSNativeL2AdapterConfig
-from lmcache.v1.distributed.l2_adapters.resp_l2_adapter import RESPL2AdapterConfig
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 from lmcache.v1.platform.event_notifier import consume_fd
 
-from sidecar.tiers.config import RemoteEndpoint
+from sidecar.tiers.disk_index import DiskIndex, IndexedObject
 from sidecar.tiers.envelope import HEADER_NBYTES, CorruptChunkError, parse_header
 from sidecar.tiers.types import ChunkKey, ChunkMeta, Tier
 
 logger = logging.getLogger(__name__)
 
 _BODY = 0
-_HEADER = 1
 
 
 def wrap_host_buffer(buf: torch.Tensor) -> TensorMemoryObj:
@@ -243,17 +239,24 @@ class DiskFile:
     meta: ChunkMeta
     nbytes: int
     mtime_ns: int
-    path: Path
+    path: str
+
+
+_FOREIGN: DiskFile = object()  # type: ignore[assignment]  # DiskTier._read_header: not this key's file
 
 
 class DiskTier:
     """Local disk tier on LMCache's ``fs_native`` adapter (C++ workers, write to ``.tmp`` then
     rename, one ``<namespace>@0x<rank>@<group>@<hex key>.data`` file per object).
 
-    ``fs_native`` keeps no index and cannot list its keys, so a restart is served by
-    ``scan()``: it reads every file's header (the metadata is stored in the object), drops
-    stale ``.tmp`` files and corrupt/truncated objects, and returns what is there. One store owns
-    a directory: an ``flock`` on ``<path>/.kv-sidecar.lock`` refuses a second one.
+    ``fs_native`` keeps no index and cannot list its keys, so this tier keeps its own
+    (``sidecar.tiers.disk_index``: ``<path>/<namespace>.kvindex``) and a restart is served by
+    ``scan()`` from it: one directory listing (names and sizes: a truncated file is dropped),
+    no file opened except those the index does not name, whose header is read as before. Without
+    an index ``scan()`` reads every file's header (the metadata is stored in the object). Either
+    way stale ``.tmp`` files and corrupt objects are removed; an object whose bytes were damaged
+    behind a valid record is found on its first read (a miss, then removed). One store owns a
+    directory: an ``flock`` on ``<path>/.kv-sidecar.lock`` refuses a second one.
     """
 
     tier = Tier.DISK
@@ -272,6 +275,7 @@ class DiskTier:
         except BlockingIOError:
             os.close(self._lock_fd)
             raise ValueError(f"store.disk_path {path!r} is in use by another store") from None
+        self._index = DiskIndex(self.path / f"{namespace}.kvindex")
         adapter = create_l2_adapter(FSNativeL2AdapterConfig(base_path=str(self.path), num_workers=workers), None)
         self._io = L2Driver(adapter, "disk")
 
@@ -281,9 +285,12 @@ class DiskTier:
     def footprint(self, nbytes: int) -> int:
         return nbytes
 
+    def name_of(self, key: ChunkKey) -> str:
+        """The file name LMCache's fs connector writes for ``key`` (its naming, mirrored here)."""
+        return f"{self._namespace}@0x{0:08x}@{_BODY:x}@{key.hex()}.data"
+
     def path_of(self, key: ChunkKey) -> Path:
-        """The file LMCache's fs connector writes for ``key`` (its naming, mirrored here)."""
-        return self.path / f"{self._namespace}@0x{0:08x}@{_BODY:x}@{key.hex()}.data"
+        return self.path / self.name_of(key)
 
     def store(self, key: ChunkKey, obj: torch.Tensor) -> bool:
         # fs_native reports success but keeps an existing file when a key is stored again, so a
@@ -299,6 +306,7 @@ class DiskTier:
             os.utime(self.path_of(key), ns=(stamp, stamp))
         except OSError:
             pass  # recency is a hint; the object is stored
+        self._index.add(parse_header(obj), obj.numel())
         return True
 
     def load_many(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[torch.Tensor | LoadFailure]:
@@ -315,193 +323,70 @@ class DiskTier:
         ]
 
     def remove(self, keys: Sequence[ChunkKey]) -> None:
+        self._index.delete(keys)
         self._io.delete([self._okey(k) for k in keys])
         for key in keys:  # the connector's delete is best-effort; make sure the bytes are gone
             self.path_of(key).unlink(missing_ok=True)
 
-    def scan(self) -> tuple[list[DiskFile], int]:
-        """Objects on disk (oldest first) and the number of corrupt files removed."""
-        found: list[DiskFile] = []
-        corrupt = 0
+    def scan(self) -> tuple[list[IndexedObject], int]:
+        """Objects on disk (oldest first) and the number of corrupt files removed. Reads the
+        index and lists the directory (no file opened, no stat: a file damaged behind a valid
+        record is found on its first read); files the index does not name (or every file,
+        without an index) have their header read and their size checked."""
+        loaded = self._index.load()
         prefix = f"{self._namespace}@"
         with os.scandir(self.path) as it:
-            entries = [e for e in it if e.is_file() and e.name.startswith(prefix)]
-        for entry in entries:
-            if entry.name.endswith(".tmp"):
-                Path(entry.path).unlink(missing_ok=True)  # a write interrupted before its rename
+            entries = {e.name: e for e in it if e.name.startswith(prefix)}
+        for name in [n for n in entries if n.endswith(".tmp")]:
+            Path(entries.pop(name).path).unlink(missing_ok=True)  # a write interrupted before its rename
+        found: list[IndexedObject] = []
+        corrupt = 0
+        if loaded is not None:
+            body = f"{self._namespace}@0x{0:08x}@{_BODY:x}@"
+            pop = entries.pop
+            # a record without its file: removed after the record (a crash before the delete record)
+            found = [obj for obj in loaded[0] if pop(body + obj.meta.key.hex() + ".data", None) is not None]
+        unindexed: list[DiskFile] = []
+        for entry in entries.values():
+            if not entry.name.endswith(".data") or not entry.is_file():
                 continue
-            if not entry.name.endswith(".data"):
-                continue
-            st = entry.stat()
-            try:
-                with open(entry.path, "rb") as f:
-                    meta = parse_header(f.read(HEADER_NBYTES))
-                if st.st_size != HEADER_NBYTES + meta.payload_nbytes:
-                    raise CorruptChunkError(f"size {st.st_size} != {HEADER_NBYTES + meta.payload_nbytes}")
-            except (CorruptChunkError, OSError) as exc:
-                logger.warning("removing corrupt disk object %s: %s", entry.name, exc)
-                Path(entry.path).unlink(missing_ok=True)
+            f = self._read_header(entry)
+            if f is None:
                 corrupt += 1
-                continue
-            if self.path_of(meta.key) != Path(entry.path):
-                logger.warning("ignoring disk object %s: its header names key %s", entry.name, meta.key.hex())
-                continue
-            found.append(DiskFile(meta=meta, nbytes=st.st_size, mtime_ns=st.st_mtime_ns, path=Path(entry.path)))
-        found.sort(key=lambda f: f.mtime_ns)
-        if found:
-            self._last_mtime_ns = found[-1].mtime_ns
+            elif f is not _FOREIGN:
+                unindexed.append(f)
+        unindexed.sort(key=lambda f: f.mtime_ns)
+        if loaded is None:
+            found = [IndexedObject(f.meta, f.nbytes) for f in unindexed]
+            self._index.set(found)
+        else:
+            self._index.retain(o.meta.key for o in found)
+            for f in unindexed:
+                self._index.add(f.meta, f.nbytes)
+                found.append(IndexedObject(f.meta, f.nbytes))
+        self._last_mtime_ns = max([time.time_ns(), *(f.mtime_ns for f in unindexed)])
         return found, corrupt
+
+    def _read_header(self, entry: os.DirEntry) -> DiskFile | None:
+        """The object file's header, checked against its size and name; ``None``: corrupt
+        (removed); ``_FOREIGN``: a valid object under another key's name (left alone)."""
+        st = entry.stat()
+        try:
+            with open(entry.path, "rb") as f:
+                meta = parse_header(f.read(HEADER_NBYTES))
+            if st.st_size != HEADER_NBYTES + meta.payload_nbytes:
+                raise CorruptChunkError(f"size {st.st_size} != {HEADER_NBYTES + meta.payload_nbytes}")
+        except (CorruptChunkError, OSError) as exc:
+            logger.warning("removing corrupt disk object %s: %s", entry.name, exc)
+            Path(entry.path).unlink(missing_ok=True)
+            return None
+        if self.name_of(meta.key) != entry.name:
+            logger.warning("ignoring disk object %s: its header names key %s", entry.name, meta.key.hex())
+            return _FOREIGN
+        return DiskFile(meta=meta, nbytes=st.st_size, mtime_ns=st.st_mtime_ns, path=entry.path)
 
     def close(self, timeout: float) -> bool:
         ok = self._io.close(timeout)
+        self._index.close()
         os.close(self._lock_fd)
         return ok
-
-
-class RemoteTier:
-    """Remote tier on LMCache's ``resp`` adapter (native C++ RESP client) over Redis/Valkey.
-
-    Shared by every sidecar pointed at the same server: a chunk is stored as the object plus a
-    header copy, so any sidecar can fetch it by key alone. Redis may evict on its own
-    (maxmemory); such a chunk is simply a miss.
-
-    LMCache 0.5.6's RESP client loses protocol sync on any failed GET: a GET of a missing key
-    closes the connection for good ("socket recv failed", then "writev failed" forever) and a
-    GET into a buffer of the wrong size leaves the reply stream shifted, so later GET/DEL/EXISTS
-    read each other's replies. Hence: every GET is preceded by a batched EXISTS and uses the
-    exact size (from the index or the fixed-size header copy), and any failed or unanswered
-    call replaces the adapter with a fresh connection before the next use.
-    """
-
-    tier = Tier.REMOTE
-
-    def __init__(self, *, url: str, capacity_bytes: int, namespace: str, workers: int, timeout_s: float) -> None:
-        self._endpoint = RemoteEndpoint.parse(url)
-        self._workers = workers
-        self.capacity_bytes = capacity_bytes
-        self._namespace = namespace
-        self._timeout = timeout_s
-        self._io_lock = threading.Lock()
-        self._io = self._connect()
-        self.reconnects = 0
-
-    def _connect(self) -> L2Driver:
-        ep = self._endpoint
-        adapter = create_l2_adapter(
-            RESPL2AdapterConfig(
-                host=ep.host, port=ep.port, num_workers=self._workers, username=ep.username, password=ep.password
-            ),
-            None,
-        )
-        return L2Driver(adapter, "remote")
-
-    def _reconnect(self, bad: L2Driver) -> None:
-        with self._io_lock:
-            if self._io is not bad:
-                return  # another caller already replaced it
-            self._io = self._connect()
-            self.reconnects += 1
-        logger.warning("remote tier: RESP connection out of sync or down; reconnected")
-        threading.Thread(target=bad.close, args=(self._timeout,), name="kv-sidecar-resp-close", daemon=True).start()
-
-    def _okey(self, key: ChunkKey, group: int = _BODY) -> ObjectKey:
-        return ObjectKey(chunk_hash=key, model_name=self._namespace, kv_rank=0, object_group_id=group)
-
-    def footprint(self, nbytes: int) -> int:
-        return nbytes
-
-    def store(self, key: ChunkKey, obj: torch.Tensor) -> bool:
-        io = self._io
-        # Body first, then the header copy: a reader that finds the header finds the body.
-        ok = io.store([self._okey(key)], [obj], self._timeout) and io.store(
-            [self._okey(key, _HEADER)], [obj[:HEADER_NBYTES].clone()], self._timeout
-        )
-        if not ok:
-            self._reconnect(io)
-        return ok
-
-    def _get(self, okeys: list[ObjectKey], sizes: Sequence[int]) -> list[torch.Tensor | LoadFailure]:
-        """EXISTS, then GET of the present keys only, into buffers of exactly ``sizes``.
-
-        One bad object in a batch desyncs the connection for the GETs queued behind it, so keys
-        that fail in a batch are retried one by one, each on a fresh connection (EXISTS first
-        again): only a key that fails alone is ``UNREADABLE``.
-        """
-        if not okeys:
-            return []
-        io = self._io
-        present = io.exists(okeys, self._timeout)
-        if present is None:
-            self._reconnect(io)
-            raise TimeoutError("remote EXISTS timed out")
-        out: list[torch.Tensor | LoadFailure] = [LoadFailure.MISSING] * len(okeys)
-        wanted = [i for i, p in enumerate(present) if p]
-        bufs = {i: torch.empty(sizes[i], dtype=torch.uint8) for i in wanted}
-        ok = io.load([okeys[i] for i in wanted], [bufs[i] for i in wanted], self._timeout)
-        if ok is None:
-            ok = [False] * len(wanted)  # the GET hung: a key vanished after EXISTS
-        retry = []
-        for i, good in zip(wanted, ok, strict=True):
-            if good:
-                out[i] = bufs[i]
-            else:
-                retry.append(i)
-        for i in retry:
-            self._reconnect(io)
-            io = self._io
-            again = io.exists([okeys[i]], self._timeout)
-            if not again:  # gone (or no answer): a miss, not a corrupt object
-                continue
-            result = io.load([okeys[i]], [bufs[i]], self._timeout)
-            out[i] = bufs[i] if result == [True] else LoadFailure.UNREADABLE
-        if retry and out[retry[-1]] is LoadFailure.UNREADABLE:
-            self._reconnect(io)
-        return out
-
-    def load_many(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[torch.Tensor | LoadFailure]:
-        """Objects of ``keys`` or why not (``MISSING``: not on the server, ``UNREADABLE``: there
-        but not of the expected size); ``TimeoutError`` when the server did not answer (the
-        connection is replaced)."""
-        return self._get([self._okey(k) for k in keys], sizes)
-
-    def load_headers(self, keys: Sequence[ChunkKey]) -> list[ChunkMeta | None]:
-        """Metadata of chunks this store has no record of (written by another sidecar)."""
-        try:
-            bufs = self._get([self._okey(k, _HEADER) for k in keys], [HEADER_NBYTES] * len(keys))
-        except TimeoutError:
-            return [None] * len(keys)
-        out: list[ChunkMeta | None] = []
-        for key, buf in zip(keys, bufs, strict=True):
-            meta = None
-            if isinstance(buf, torch.Tensor):
-                try:
-                    meta = parse_header(buf)
-                except CorruptChunkError as exc:
-                    logger.warning("corrupt remote header for %s: %s", key.hex(), exc)
-                if meta is not None and meta.key != key:
-                    meta = None
-            out.append(meta)
-        return out
-
-    def suspect(self) -> None:
-        """A read returned bytes that failed verification: resync the connection."""
-        self._reconnect(self._io)
-
-    def remove(self, keys: Sequence[ChunkKey]) -> bool:
-        """Delete objects and header copies; True when the server no longer has them
-        (checked with EXISTS: LMCache's client also misreports DEL on a desynced connection)."""
-        okeys = [self._okey(k, g) for k in keys for g in (_BODY, _HEADER)]
-        io = self._io
-        io.delete(okeys)
-        left = io.exists(okeys, self._timeout)
-        if left is None or any(left):
-            self._reconnect(io)
-            io = self._io
-            io.delete(okeys)
-            left = io.exists(okeys, self._timeout)
-        return left is not None and not any(left)
-
-    def close(self, timeout: float) -> bool:
-        with self._io_lock:
-            io = self._io
-        return io.close(timeout)

@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sidecar.identity import KVLayout
 from sidecar.tiers import EventKind, Reason, Tier
 from sidecar.tiers.envelope import HEADER_NBYTES
 from tests.tiers.conftest import NUM_TOKENS, key, make_payload
+
+
+def _after_backoff(fn):
+    """Run ``fn`` once the remote tier's breaker lets calls through again (it opened when Redis
+    failed: sidecar/tiers/breaker.py), retrying within a bounded deadline (liveness only)."""
+    import time
+
+    from sidecar.tiers import breaker
+
+    deadline = time.monotonic() + 2 * breaker.MAX_S + 5
+    while True:
+        try:
+            out = fn()
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+        else:
+            if out is not None or time.monotonic() > deadline:
+                return out
+        time.sleep(0.1)
 
 
 def _put(store, i: int, layout: KVLayout, size: int, **kw):
@@ -129,3 +150,54 @@ def test_lost_local_copy_falls_back_to_the_remote_copy(
         frozenset({Tier.REMOTE}),
     )
     assert store.locate(key(1)) == Tier.REMOTE
+
+
+def test_redis_killed_and_restarted(make_store, tmp_path, layout: KVLayout, payload_size: int) -> None:
+    """Redis down: reads are misses, a write that no tier
+    takes is TierUnavailableError (UNAVAILABLE on the wire, which clients retry); back up at the
+    same address: the same store serves again without a restart."""
+    from sidecar.tiers import TierUnavailableError
+    from tests.redis_server import RedisProcess
+
+    server = RedisProcess(tmp_path).start()
+    try:
+        store = make_store(cpu_bytes=0, remote_url=server.url, remote_bytes=1 << 20, io_timeout_s=1.0)
+        _put(store, 1, layout, payload_size)
+        server.stop()
+        assert store.get(key(1)) is None  # a miss, not an exception (the RESP client cannot
+        # tell "down" from "missing": the chunk is reported LOST and forgotten)
+        assert [(e.kind, e.key) for e in store.take_events()] == [(EventKind.LOST, key(1))]
+        with pytest.raises(TierUnavailableError):
+            _put(store, 2, layout, payload_size)
+        assert store.locate(key(2)) is None and store.tenant_usage("a") == 0  # key 1 was forgotten too
+        server.start()  # empty: the old copy is gone with the process
+        assert store.get(key(1)) is None and store.locate(key(1)) is None
+        _after_backoff(lambda: _put(store, 3, layout, payload_size))
+        assert torch.equal(store.get(key(3)).payload, make_payload(3, payload_size))
+    finally:
+        server.stop()
+
+
+def test_redis_that_stops_answering_times_out_as_a_miss(make_store, tmp_path, layout: KVLayout,
+                                                        payload_size: int) -> None:
+    import os
+    import signal
+    import time
+
+    from tests.redis_server import RedisProcess
+
+    server = RedisProcess(tmp_path).start()
+    try:
+        store = make_store(cpu_bytes=0, remote_url=server.url, remote_bytes=1 << 20, io_timeout_s=0.3)
+        _put(store, 1, layout, payload_size)
+        os.kill(server.proc.pid, signal.SIGSTOP)  # alive but silent
+        try:
+            t0 = time.monotonic()
+            assert store.get(key(1)) is None
+            assert time.monotonic() - t0 < 10  # bounded by io_timeout_s per attempt, 3 attempts
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert store.locate(key(1)) == Tier.REMOTE  # a timeout is a miss: nothing was forgotten
+        assert torch.equal(_after_backoff(lambda: store.get(key(1))).payload, make_payload(1, payload_size))
+    finally:
+        server.stop()

@@ -1,0 +1,180 @@
+"""Remote tier on Redis/Valkey through LMCache's ``resp`` L2 adapter (native C++ RESP client).
+
+Kept over the alternatives after measuring (``./dev bench tiers --only remote``,
+``bench/results/tiers.json`` "remote"): redis-py (already a dependency, with its own
+Retry/backoff) needs none of the workarounds below, but its pure-Python reply parser (hiredis is
+not installed) read 64 x 1 MiB 2-5x slower than this client in the same runs (~30-100 vs
+~110-550 MiB/s on the loaded 2-core machine), and reads are the hot path (Fetch of chunks other
+sidecars published); LMCache's ``valkey`` adapter needs valkey-glide, which is not installed.
+The cost of keeping it is the resynchronization code below (pitfall 7 in ``sidecar.tiers``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import torch
+from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+from lmcache.v1.distributed.l2_adapters.resp_l2_adapter import RESPL2AdapterConfig
+
+from sidecar.tiers.config import RemoteEndpoint
+from sidecar.tiers.envelope import HEADER_NBYTES, CorruptChunkError, parse_header
+from sidecar.tiers.l2_tiers import L2Driver, LoadFailure
+from sidecar.tiers.types import ChunkKey, ChunkMeta, Tier
+
+logger = logging.getLogger(__name__)
+
+_BODY = 0
+_HEADER = 1
+
+
+class RemoteTier:
+    """Remote tier on LMCache's ``resp`` adapter (native C++ RESP client) over Redis/Valkey.
+
+    Shared by every sidecar pointed at the same server: a chunk is stored as the object plus a
+    header copy, so any sidecar can fetch it by key alone. Redis may evict on its own
+    (maxmemory); such a chunk is simply a miss.
+
+    LMCache 0.5.6's RESP client loses protocol sync on any failed GET: a GET of a missing key
+    closes the connection for good ("socket recv failed", then "writev failed" forever) and a
+    GET into a buffer of the wrong size leaves the reply stream shifted, so later GET/DEL/EXISTS
+    read each other's replies. Hence: every GET is preceded by a batched EXISTS and uses the
+    exact size (from the index or the fixed-size header copy), and any failed or unanswered
+    call replaces the adapter with a fresh connection before the next use.
+    """
+
+    tier = Tier.REMOTE
+
+    def __init__(self, *, url: str, capacity_bytes: int, namespace: str, workers: int, timeout_s: float) -> None:
+        self._endpoint = RemoteEndpoint.parse(url)
+        self._workers = workers
+        self.capacity_bytes = capacity_bytes
+        self._namespace = namespace
+        self._timeout = timeout_s
+        self._io_lock = threading.Lock()
+        self._io = self._connect()
+        self.reconnects = 0
+
+    def _connect(self) -> L2Driver:
+        ep = self._endpoint
+        adapter = create_l2_adapter(
+            RESPL2AdapterConfig(
+                host=ep.host, port=ep.port, num_workers=self._workers, username=ep.username, password=ep.password
+            ),
+            None,
+        )
+        return L2Driver(adapter, "remote")
+
+    def _reconnect(self, bad: L2Driver) -> None:
+        with self._io_lock:
+            if self._io is not bad:
+                return  # another caller already replaced it
+            self._io = self._connect()
+            self.reconnects += 1
+        logger.warning("remote tier: RESP connection out of sync or down; reconnected")
+        threading.Thread(target=bad.close, args=(self._timeout,), name="kv-sidecar-resp-close", daemon=True).start()
+
+    def _okey(self, key: ChunkKey, group: int = _BODY) -> ObjectKey:
+        return ObjectKey(chunk_hash=key, model_name=self._namespace, kv_rank=0, object_group_id=group)
+
+    def footprint(self, nbytes: int) -> int:
+        return nbytes
+
+    def store(self, key: ChunkKey, obj: torch.Tensor) -> bool:
+        io = self._io
+        # Body first, then the header copy: a reader that finds the header finds the body.
+        ok = io.store([self._okey(key)], [obj], self._timeout) and io.store(
+            [self._okey(key, _HEADER)], [obj[:HEADER_NBYTES].clone()], self._timeout
+        )
+        if not ok:
+            self._reconnect(io)
+        return ok
+
+    def _get(self, okeys: list[ObjectKey], sizes: Sequence[int]) -> list[torch.Tensor | LoadFailure]:
+        """EXISTS, then GET of the present keys only, into buffers of exactly ``sizes``.
+
+        One bad object in a batch desyncs the connection for the GETs queued behind it, so keys
+        that fail in a batch are retried one by one, each on a fresh connection (EXISTS first
+        again): only a key that fails alone is ``UNREADABLE``.
+        """
+        if not okeys:
+            return []
+        io = self._io
+        present = io.exists(okeys, self._timeout)
+        if present is None:
+            self._reconnect(io)
+            raise TimeoutError("remote EXISTS timed out")
+        out: list[torch.Tensor | LoadFailure] = [LoadFailure.MISSING] * len(okeys)
+        wanted = [i for i, p in enumerate(present) if p]
+        bufs = {i: torch.empty(sizes[i], dtype=torch.uint8) for i in wanted}
+        ok = io.load([okeys[i] for i in wanted], [bufs[i] for i in wanted], self._timeout)
+        if ok is None:
+            ok = [False] * len(wanted)  # the GET hung: a key vanished after EXISTS
+        retry = []
+        for i, good in zip(wanted, ok, strict=True):
+            if good:
+                out[i] = bufs[i]
+            else:
+                retry.append(i)
+        for i in retry:
+            self._reconnect(io)
+            io = self._io
+            again = io.exists([okeys[i]], self._timeout)
+            if not again:  # gone (or no answer): a miss, not a corrupt object
+                continue
+            result = io.load([okeys[i]], [bufs[i]], self._timeout)
+            out[i] = bufs[i] if result == [True] else LoadFailure.UNREADABLE
+        if retry and out[retry[-1]] is LoadFailure.UNREADABLE:
+            self._reconnect(io)
+        return out
+
+    def load_many(self, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> list[torch.Tensor | LoadFailure]:
+        """Objects of ``keys`` or why not (``MISSING``: not on the server, ``UNREADABLE``: there
+        but not of the expected size); ``TimeoutError`` when the server did not answer (the
+        connection is replaced)."""
+        return self._get([self._okey(k) for k in keys], sizes)
+
+    def load_headers(self, keys: Sequence[ChunkKey]) -> list[ChunkMeta | None]:
+        """Metadata of chunks this store has no record of (written by another sidecar)."""
+        try:
+            bufs = self._get([self._okey(k, _HEADER) for k in keys], [HEADER_NBYTES] * len(keys))
+        except TimeoutError:
+            return [None] * len(keys)
+        out: list[ChunkMeta | None] = []
+        for key, buf in zip(keys, bufs, strict=True):
+            meta = None
+            if isinstance(buf, torch.Tensor):
+                try:
+                    meta = parse_header(buf)
+                except CorruptChunkError as exc:
+                    logger.warning("corrupt remote header for %s: %s", key.hex(), exc)
+                if meta is not None and meta.key != key:
+                    meta = None
+            out.append(meta)
+        return out
+
+    def suspect(self) -> None:
+        """A read returned bytes that failed verification: resync the connection."""
+        self._reconnect(self._io)
+
+    def remove(self, keys: Sequence[ChunkKey]) -> bool:
+        """Delete objects and header copies; True when the server no longer has them
+        (checked with EXISTS: LMCache's client also misreports DEL on a desynced connection)."""
+        okeys = [self._okey(k, g) for k in keys for g in (_BODY, _HEADER)]
+        io = self._io
+        io.delete(okeys)
+        left = io.exists(okeys, self._timeout)
+        if left is None or any(left):
+            self._reconnect(io)
+            io = self._io
+            io.delete(okeys)
+            left = io.exists(okeys, self._timeout)
+        return left is not None and not any(left)
+
+    def close(self, timeout: float) -> bool:
+        with self._io_lock:
+            io = self._io
+        return io.close(timeout)
