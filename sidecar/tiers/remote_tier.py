@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 _BODY = 0
 _HEADER = 1
+_PROBE = 2  # object group of the liveness probe key (never a chunk's)
+_PROBE_KEY = b"kv-sidecar-probe"
 
 
 class RemoteTier:
@@ -44,6 +46,12 @@ class RemoteTier:
     read each other's replies. Hence: every GET is preceded by a batched EXISTS and uses the
     exact size (from the index or the fixed-size header copy), and any failed or unanswered
     call replaces the adapter with a fresh connection before the next use.
+
+    A connection opened while Redis is down never recovers, yet answers every EXISTS with
+    "absent" instead of failing, so a peer would miss forever once Redis is back (found by
+    tests/faults/test_redis_kill.py). So each new connection is proven first: a probe key is
+    written, found and deleted (SET, EXISTS, DEL) before it serves; until then calls fail as
+    timeouts, which opens the tier's breaker, and the next call reconnects.
     """
 
     tier = Tier.REMOTE
@@ -56,7 +64,23 @@ class RemoteTier:
         self._timeout = timeout_s
         self._io_lock = threading.Lock()
         self._io = self._connect()
+        self._proven: L2Driver | None = None  # the connection whose probe succeeded
+        self._probe = torch.zeros(8, dtype=torch.uint8)
         self.reconnects = 0
+
+    def _live_io(self) -> L2Driver:
+        """The current connection once it has proven it reaches Redis; ``TimeoutError`` (after
+        replacing it) when it cannot."""
+        io = self._io
+        if io is self._proven:
+            return io
+        probe = self._okey(_PROBE_KEY, _PROBE)
+        if io.store([probe], [self._probe], self._timeout) and io.exists([probe], self._timeout) == [True]:
+            io.delete([probe])
+            self._proven = io
+            return io
+        self._reconnect(io)
+        raise TimeoutError("remote tier: Redis not reachable")
 
     def _connect(self) -> L2Driver:
         ep = self._endpoint
@@ -84,7 +108,10 @@ class RemoteTier:
         return nbytes
 
     def store(self, key: ChunkKey, obj: torch.Tensor) -> bool:
-        io = self._io
+        try:
+            io = self._live_io()
+        except TimeoutError:
+            return False
         # Body first, then the header copy: a reader that finds the header finds the body.
         ok = io.store([self._okey(key)], [obj], self._timeout) and io.store(
             [self._okey(key, _HEADER)], [obj[:HEADER_NBYTES].clone()], self._timeout
@@ -102,7 +129,7 @@ class RemoteTier:
         """
         if not okeys:
             return []
-        io = self._io
+        io = self._live_io()
         present = io.exists(okeys, self._timeout)
         if present is None:
             self._reconnect(io)
@@ -138,11 +165,9 @@ class RemoteTier:
         return self._get([self._okey(k) for k in keys], sizes)
 
     def load_headers(self, keys: Sequence[ChunkKey]) -> list[ChunkMeta | None]:
-        """Metadata of chunks this store has no record of (written by another sidecar)."""
-        try:
-            bufs = self._get([self._okey(k, _HEADER) for k in keys], [HEADER_NBYTES] * len(keys))
-        except TimeoutError:
-            return [None] * len(keys)
+        """Metadata of chunks this store has no record of (written by another sidecar);
+        ``TimeoutError`` when the server did not answer."""
+        bufs = self._get([self._okey(k, _HEADER) for k in keys], [HEADER_NBYTES] * len(keys))
         out: list[ChunkMeta | None] = []
         for key, buf in zip(keys, bufs, strict=True):
             meta = None
@@ -164,7 +189,10 @@ class RemoteTier:
         """Delete objects and header copies; True when the server no longer has them
         (checked with EXISTS: LMCache's client also misreports DEL on a desynced connection)."""
         okeys = [self._okey(k, g) for k in keys for g in (_BODY, _HEADER)]
-        io = self._io
+        try:
+            io = self._live_io()
+        except TimeoutError:
+            return False
         io.delete(okeys)
         left = io.exists(okeys, self._timeout)
         if left is None or any(left):

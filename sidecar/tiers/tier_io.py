@@ -212,14 +212,14 @@ class TierIO:
         assert self.remote is not None
         if not self.available(Tier.REMOTE):
             return out, 0
-        metas = self.remote.load_headers(keys)
-        found = [(i, m) for i, m in enumerate(metas) if m is not None]
-        if not found:
-            return out, 0
         try:
+            metas = self.remote.load_headers(keys)
+            found = [(i, m) for i, m in enumerate(metas) if m is not None]
+            if not found:
+                return out, 0
             objs = self.remote.load_many([m.key for _, m in found], [object_nbytes(m.payload_nbytes) for _, m in found])
-        except TimeoutError:  # the server went away between the header and the body reads: misses
-            logger.warning("remote read of %d foreign chunks timed out", len(found))
+        except TimeoutError:  # Redis is down or went away between the header and body reads: misses
+            logger.warning("remote read of %d foreign chunks timed out", len(keys))
             self.breakers[Tier.REMOTE].failed()
             return out, 0
         bad = 0
