@@ -155,6 +155,12 @@ class TieredStore:
     def _entries(self) -> dict[ChunkKey, Entry]:
         return self._place.entries
 
+    @property
+    def _write_lock(self) -> threading.RLock:
+        """The mover lock under its old name (tests/test_sync_off_loop.py holds it to stand for
+        a slow tier move)."""
+        return self._mover
+
     # ------------------------------------------------------------------ public API: queries
 
     @property
