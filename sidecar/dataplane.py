@@ -773,21 +773,13 @@ def check_rope(identity: CacheIdentity, layout: KVLayout, rope) -> None:
 
 
 def _rotate_all(results: list[FetchResult], layout: KVLayout, rope, counters: DataPlaneCounters) -> int:
-    """Rotate the rotary parts of each fetched payload in place by its delta (fp32 math)."""
-    import time
+    """Rotate the rotary parts of each fetched payload in place by its delta (fp32 math): one
+    batched kernel call over every chunk and layer of the window (``rotate_payloads_``)."""
+    from sidecar.rotation import rotate_payloads_
 
-    from sidecar.rotation import rotate_keys
-
-    t0 = time.perf_counter()
-    nbytes = 0
-    for r in results:
-        view = decode_payload(r.payload, layout, r.entry.num_tokens)
-        for part in view.rotary_parts():
-            rotate_keys(part.tensor, r.delta, rope, out=part.tensor)
-            nbytes += part.tensor.numel() * part.tensor.element_size()
-        view.write_back()
-    counters.rotation_seconds += time.perf_counter() - t0
-    return nbytes
+    done = rotate_payloads_([(r.payload, r.entry.num_tokens, r.delta) for r in results], layout, rope)
+    counters.rotation_seconds += done.seconds
+    return done.rotated_bytes
 
 
 def _gather_runs(
