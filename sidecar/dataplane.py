@@ -531,6 +531,7 @@ class DataPlane:
                         held[h] = self._checked_chunk(entries[h], g, layout)
                 window: list[FetchResult] = []
                 to_rotate: list[FetchResult] = []
+                raw_here: set[int] = set()  # chunks whose raw payload an item of this window holds
                 for k in range(i, j):
                     h, e, delta = plan[k]
                     r = FetchResult(index=k)
@@ -542,14 +543,16 @@ class DataPlane:
                             r.rotated = True
                             copy = rotated.get((h, delta))
                             if copy is None:
-                                # In place when no other use of the raw payload is left.
-                                own = left[h] == left_rot[(h, delta)]
+                                # In place when no other use of the raw payload is left, and no
+                                # earlier item of this window (not yet sent) holds it raw.
+                                own = left[h] == left_rot[(h, delta)] and h not in raw_here
                                 copy = rotated[(h, delta)] = g.payload if own else g.payload.clone()
                                 r.payload = copy
                                 to_rotate.append(r)
                             r.payload = copy
                         else:
                             r.payload = g.payload
+                            raw_here.add(h)
                     if e is not None:
                         left[h] -= 1
                         if not left[h]:
