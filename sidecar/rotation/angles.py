@@ -19,11 +19,12 @@ import functools
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sidecar.rotation.spec import RopeSpec
 
-__all__ = ["Delta", "RotationTable", "as_delta_tensor", "cos_sin", "rotation_table"]
+__all__ = ["Delta", "RotationTable", "as_delta_tensor", "cos_sin", "delta_tables", "rotation_table"]
 
 #: What callers may pass as a delta: a Python/NumPy integer or an integer tensor.
 Delta = int | torch.Tensor
@@ -72,6 +73,16 @@ def _scalar_table(spec: RopeSpec, delta: int) -> "RotationTable":
 def _scalar_table_for(inv_freq: tuple[float, ...], delta: int) -> "RotationTable":
     cos, sin = _cos_sin_of(torch.tensor([delta], dtype=torch.int64), torch.tensor(inv_freq, dtype=torch.float64))
     return RotationTable(cos=cos, sin=sin, index=None)
+
+
+def delta_tables(spec: RopeSpec, deltas: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """fp32 ``cos``/``sin`` ``[len(deltas), half]`` (numpy, contiguous), one row per delta, from
+    the same memoised rows scalar-delta calls use (so a batched rotation has the same bits as
+    one call per chunk)."""
+    tables = [_scalar_table(spec, d) for d in deltas]
+    if len(tables) == 1:
+        return tables[0].cos.numpy(), tables[0].sin.numpy()
+    return np.concatenate([x.cos.numpy() for x in tables]), np.concatenate([x.sin.numpy() for x in tables])
 
 
 @dataclass(frozen=True, kw_only=True)

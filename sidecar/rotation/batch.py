@@ -30,7 +30,7 @@ import torch
 
 from sidecar.identity import KVLayout
 import sidecar.rotation.cpu as cpu
-from sidecar.rotation.angles import cos_sin
+from sidecar.rotation.angles import delta_tables
 from sidecar.rotation.spec import Pairing, RopeSpec
 
 __all__ = ["PayloadRotation", "rotate_payloads_"]
@@ -117,10 +117,11 @@ def rotate_payloads_(
     t0 = time.perf_counter()
     per_token = layout.bytes_per_token
     groups = _groups(layout, spec.key_dim)
-    n = len(items)
-    ptrs = np.empty(n, dtype=np.int64)
-    ntok = np.empty(n, dtype=np.int64)
-    deltas = np.empty(n, dtype=np.int64)
+    moving: list[int] = []  # items with a non-zero delta
+    ptrs: list[int] = []
+    ntok: list[int] = []
+    trow: list[int] = []
+    row_of: dict[int, int] = {}  # distinct delta -> table row
     cuda = False
     for i, (payload, num_tokens, delta) in enumerate(items):
         if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
@@ -130,26 +131,27 @@ def rotate_payloads_(
         if num_tokens <= 0 or payload.numel() != num_tokens * per_token:
             raise ValueError(f"items[{i}].payload has {payload.numel()} bytes; kv_layout x {num_tokens} tokens needs "
                              f"{num_tokens * per_token}")
-        cuda = cuda or payload.device.type != "cpu"
-        ptrs[i], ntok[i], deltas[i] = payload.data_ptr(), num_tokens, delta
-    if n > 1:
-        order = np.argsort(ptrs, kind="stable")
-        ends = ptrs[order] + ntok[order] * per_token
-        if (ptrs[order][1:] < ends[:-1]).any():
-            raise ValueError("items: two payloads share memory (a buffer listed twice would be rotated twice)")
-    moving = deltas != 0
-    ptrs, ntok, deltas = ptrs[moving], ntok[moving], deltas[moving]
-    idx = np.flatnonzero(moving)
-    rotated = kernel_calls = fallback_calls = 0
-    if not len(idx):
+        if delta:
+            cuda = cuda or payload.device.type != "cpu"
+            moving.append(i)
+            ptrs.append(payload.data_ptr())
+            ntok.append(num_tokens)
+            trow.append(row_of.setdefault(int(delta), len(row_of)))
+    if not moving:
         return PayloadRotation(0, time.perf_counter() - t0, 0, 0)
+    p = np.array(ptrs, dtype=np.int64)
+    n = np.array(ntok, dtype=np.int64)
+    if len(moving) > 1:
+        order = np.argsort(p, kind="stable")
+        if (p[order][1:] < (p[order] + n[order] * per_token)[:-1]).any():
+            raise ValueError("items: two payloads share memory (a buffer listed twice would be rotated twice)")
+    t = np.array(trow, dtype=np.int64)
     interleaved = spec.pairing is Pairing.INTERLEAVED
-    values, inverse = np.unique(deltas, return_inverse=True)
-    cos = sin = None
+    rotated = kernel_calls = fallback_calls = 0
+    tables = None
     for g in groups:
-        addrs = (ptrs[:, None] + ntok[:, None] * g.offsets[None, :]).reshape(-1)
-        rows = np.repeat(ntok * g.keys_per_token, len(g.offsets))
-        trow = np.repeat(inverse, len(g.offsets))
+        parts = len(g.offsets)
+        addrs = (p[:, None] + n[:, None] * g.offsets[None, :]).reshape(-1)
         width = g.dtype.itemsize * (2 if interleaved else 1)
         fused = (
             not cuda
@@ -157,22 +159,24 @@ def rotate_payloads_(
             and (not interleaved or (spec.key_dim % 2 == 0 and spec.rotary_offset % 2 == 0))
         )
         if fused:
-            if cos is None:
-                cos, sin = cos_sin(torch.from_numpy(values), spec)
-            fused = cpu.rotate_segments_cpu_(addrs, rows, trow, cos, sin, g.dtype, spec, parallel=parallel)
+            if tables is None:
+                # The same memoised fp32 rows a per-chunk rotate_keys(delta) uses: same bits.
+                tables = delta_tables(spec, list(row_of))
+            rows = np.repeat(n * g.keys_per_token, parts)
+            fused = cpu.rotate_segments_cpu_(addrs, rows, np.repeat(t, parts), *tables, g.dtype, spec, parallel=parallel)
             kernel_calls += int(fused)
         if not fused:
-            fallback_calls += _rotate_parts(items, idx, g, per_token, spec)
-        rotated += int(ntok.sum()) * g.bytes_per_token * len(g.offsets)
+            fallback_calls += _rotate_parts(items, moving, g, spec)
+        rotated += int(n.sum()) * g.bytes_per_token * parts
     return PayloadRotation(rotated, time.perf_counter() - t0, kernel_calls, fallback_calls)
 
 
-def _rotate_parts(items, idx: np.ndarray, g: _RotaryGroup, per_token: int, spec: RopeSpec) -> int:
+def _rotate_parts(items, idx: list[int], g: _RotaryGroup, spec: RopeSpec) -> int:
     """One ``rotate_keys`` per rotary part (CUDA buffers, unsupported dtypes, misaligned parts)."""
     from sidecar.rotation import rotate_keys
 
     calls = 0
-    for i in idx.tolist():
+    for i in idx:
         payload, num_tokens, delta = items[i]
         for off in g.offsets.tolist():
             start = off * num_tokens

@@ -463,35 +463,32 @@ SERIAL_BELOW_BYTES = 512 << 10
 
 
 def rotate_segments_cpu_(
-    addresses: np.ndarray, rows: np.ndarray, table_rows: np.ndarray, cos: torch.Tensor, sin: torch.Tensor,
+    addresses: np.ndarray, rows: np.ndarray, table_rows: np.ndarray, cos: np.ndarray, sin: np.ndarray,
     dtype: torch.dtype, spec: RopeSpec, *, parallel: bool | None = None,
 ) -> bool:
     """In place, one kernel call: ``rows[i]`` contiguous keys (``spec.key_dim`` elements each)
     at memory address ``addresses[i]``, all rotated by table row ``table_rows[i]`` of
-    ``cos``/``sin`` (fp32 ``[U, spec.half]``, from ``angles.cos_sin``).
+    ``cos``/``sin`` (contiguous fp32 ``[U, spec.half]``, ``angles.delta_tables``). The three
+    index arrays are int64.
 
     Unchecked memory access: the caller guarantees that every segment lies inside a live,
     writable CPU buffer of ``dtype`` it keeps referenced during the call, that segments do not
     overlap, and that every address is aligned to the element size (to twice it for
-    interleaved pairing, with an even ``key_dim`` and ``rotary_offset``). ``sidecar.rotation.
-    batch.rotate_payloads_`` is the checked entry point.
+    interleaved pairing, with an even ``key_dim`` and ``rotary_offset``).
+    ``sidecar.rotation.batch.rotate_payloads_`` is the checked entry point.
 
     ``parallel``: None picks by size (``SERIAL_BELOW_BYTES``). Returns False, changing nothing,
     when the fused kernels cannot run for ``dtype`` here (the caller falls back).
     """
     if not AVAILABLE or dtype not in FUSED_DTYPES or dtype in _disabled:
         return False
-    n = addresses.shape[0]
-    if n == 0:
+    if addresses.shape[0] == 0:
         return True
-    (_, elem_np), (_, pair_np) = _VIEWS[dtype]
+    elem, pair = _PROTOS[dtype]
     if parallel is None:
         parallel = int(rows.sum()) * spec.rotary_dim * dtype.itemsize >= SERIAL_BELOW_BYTES
-    args = (
-        addresses.astype(np.int64, copy=False), rows.astype(np.int64, copy=False), table_rows.astype(np.int64, copy=False),
-        np.empty(0, dtype=elem_np), np.empty(0, dtype=pair_np), spec.key_dim, spec.rotary_offset, spec.half,
-        cos.numpy(), sin.numpy(), spec.pairing is Pairing.INTERLEAVED,
-    )  # fmt: skip
+    args = (addresses, rows, table_rows, elem, pair, spec.key_dim, spec.rotary_offset, spec.half, cos, sin,
+            spec.pairing is Pairing.INTERLEAVED)
     if not parallel:
         try:
             _rotate_segments_serial(*args)  # no thread pool: safe without the launch lock
@@ -501,3 +498,7 @@ def rotate_segments_cpu_(
             _disabled.add(dtype)
             return False
     return _run(_rotate_segments_parallel, dtype, *args)
+
+
+#: Empty arrays that carry each storage dtype's element and pair view types into the kernels.
+_PROTOS = {dt: (np.empty(0, dtype=e[1]), np.empty(0, dtype=p[1])) for dt, (e, p) in _VIEWS.items()}
