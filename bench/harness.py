@@ -22,14 +22,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 @contextmanager
 def sidecar_process(*flags: str, env: dict[str, str] | None = None, python: str | None = None,
-                    log: deque[str] | None = None) -> Iterator[str]:
+                    log: deque[str] | None = None, root: Path | None = None) -> Iterator[str]:
     """Run ``kv-sidecar serve`` in a child process (its own interpreter and GIL, as deployed);
     yields the gRPC target. Extra settings go in as ``--set key=value`` flags. The port is read
     from the INFO start-up line, so the log level stays at INFO; after start-up a thread keeps
     draining the log (a full pipe would stall the server) into ``log`` when one is given.
     ``python``: the interpreter of the server's environment (default: this one; an engine
     environment without the server's dependencies passes the main one, ``server_python()``)."""
-    root = Path(__file__).resolve().parents[1]
+    root = root or Path(__file__).resolve().parents[1]  # another checkout: a baseline server
     cmd = [python or sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--metrics-port", "-1", "--log-level", "INFO",
            *flags]
     lines: deque[str] = log if log is not None else deque(maxlen=200)

@@ -294,7 +294,8 @@ if AVAILABLE:
             b = r * kd + o
             _rotate_one(a, a, p, p, b, b, h, c, s, interleaved)
 
-    @njit(parallel=True, cache=True)
+    # nogil: a Fetch rotates in a worker thread while the event loop streams earlier items.
+    @njit(parallel=True, cache=True, nogil=True)
     def _rotate_segments_parallel(addrs, rows, trow, elem_proto, pair_proto, key_dim, off, half, cos, sin, interleaved):
         """Every segment (see ``_rotate_segment``), segments spread over the numba threads."""
         kd = np.uint64(key_dim)
@@ -303,7 +304,7 @@ if AVAILABLE:
         for i in prange(addrs.shape[0]):
             _rotate_segment(i, addrs, rows, trow, elem_proto, pair_proto, kd, o, h, cos, sin, interleaved)
 
-    @njit(cache=True)
+    @njit(cache=True, nogil=True)
     def _rotate_segments_serial(addrs, rows, trow, elem_proto, pair_proto, key_dim, off, half, cos, sin, interleaved):
         """``_rotate_segments_parallel`` on the calling thread (no thread-pool launch)."""
         kd = np.uint64(key_dim)
