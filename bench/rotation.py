@@ -15,9 +15,10 @@ On a CUDA device the Triton path is compared with a device-to-device ``copy_``.
 
 Columns: ``fused/copy`` one delta for the call; ``per-chunk`` one delta per 128-token chunk
 (keys: 256 distinct) or per 512-slot region (slots: 64 distinct); ``batched`` the Fetch path
-(issue 14): the same keys as 256 separate 128-token chunk payloads, each with its own delta,
-rotated in place by one ``rotate_payloads_`` call; ``per-call`` the Fetch path before it, one
-``rotate_keys`` call per chunk payload (in place); ``native`` the eager-torch reference (first
+(issue 14): the same keys as separate 128-token chunk payloads of 32 layers (keys: 8 chunks) or
+16 layers (k_pe: 16 chunks), each chunk with its own delta, rotated in place by one
+``rotate_payloads_`` call; ``per-call`` the Fetch path before it, one in-place ``rotate_keys``
+call per chunk per layer (256 calls); ``native`` the eager-torch reference (first
 thread count only). ``--crossover`` times the serial and the parallel batched kernel on growing
 batches (how ``cpu.SERIAL_BELOW_BYTES`` was chosen). The k_pe tensors (4-8 MB) stay in the 32 MB L3, so their
 ``copy_`` runs at cache speed.
@@ -112,7 +113,10 @@ def build_cases(device: str) -> list[Case]:
             # One delta per 128-token chunk (a Fetch of 256 shifted chunk hits), per token.
             per_chunk = torch.randint(-5000, 5000, (shape[0] // 128, 1), generator=gen)
             per_token = per_chunk.repeat_interleave(128, dim=0).to(device)
-            layout, items, views = _chunk_payloads(k, per_chunk.view(-1).tolist())
+            # The Fetch path: 128-token chunk payloads of 32 (Llama-3-8B keys) or 16 (k_pe) layers.
+            layers = 32 if name == "keys" else 16
+            chunk_deltas = per_chunk.view(-1)[: shape[0] // (128 * layers)].tolist()
+            layout, items, views = _chunk_payloads(k, chunk_deltas, layers)
             kernels = {
                 "fused": lambda k=k, out=out, spec=spec: rotate_keys(k, 4099, spec, out=out),
                 "per_chunk": lambda k=k, out=out, spec=spec, d=per_token: rotate_keys(k, d, spec, out=out),
@@ -127,15 +131,18 @@ def build_cases(device: str) -> list[Case]:
     return cases
 
 
-def _chunk_payloads(k: torch.Tensor, deltas: list[int]):
-    """``k`` cut into len(deltas) chunk payloads (separate buffers, a one-layer layout holding
-    only the rotary part), as a Fetch window holds them: (layout, items, per-chunk key views)."""
-    n = k.shape[0] // len(deltas)
+def _chunk_payloads(k: torch.Tensor, deltas: list[int], layers: int = 1, tokens: int = 128):
+    """``k``'s rows as ``len(deltas)`` chunk payloads of ``tokens`` tokens x ``layers`` layers
+    (separate buffers; a layout holding only the rotary part, so the bytes equal ``k``'s), as
+    a Fetch window holds them: (layout, items, one key view per chunk and layer)."""
     dtype = str(k.dtype).removeprefix("torch.")
-    layout = KVLayout(num_layers=1, parts=(KVPart(name="k", shape=tuple(k.shape[1:]), dtype=dtype, rotary=True),))
-    bufs = [k[i * n : (i + 1) * n].clone().view(-1).view(torch.uint8) for i in range(len(deltas))]
-    items = [(b, n, d) for b, d in zip(bufs, deltas)]
-    views = [(b.view(k.dtype).view(n, *k.shape[1:]), d) for b, d in zip(bufs, deltas)]
+    layout = KVLayout(num_layers=layers, parts=(KVPart(name="k", shape=tuple(k.shape[1:]), dtype=dtype, rotary=True),))
+    per = layers * tokens
+    assert k.shape[0] == per * len(deltas), "rows must split into the chunks"
+    bufs = [k[i * per : (i + 1) * per].clone().view(-1).view(torch.uint8) for i in range(len(deltas))]
+    items = [(b, tokens, d) for b, d in zip(bufs, deltas)]
+    views = [(b.view(k.dtype).view(layers, tokens, *k.shape[1:])[layer], d) for b, d in zip(bufs, deltas)
+             for layer in range(layers)]
     return layout, items, views
 
 
