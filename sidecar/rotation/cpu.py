@@ -456,10 +456,11 @@ def _fallback(k: torch.Tensor, delta: Delta, spec: RopeSpec, out: torch.Tensor |
     return out
 
 
-#: Below this many rotated bytes a segment batch runs on the calling thread: waking the numba
-#: thread pool costs more than the work saved. Chosen with ``./dev bench rotation --crossover``
-#: (bf16 k_pe and GQA keys, 2-core development machine): the serial kernel is faster up to
-#: ~256 KiB and the parallel one from ~1 MiB on; in between they are within the noise.
+#: Below this many rotary bytes (whole keys, pass-through dims included) a segment batch runs
+#: on the calling thread: waking the numba thread pool costs more than the work it splits.
+#: Chosen with ``./dev bench rotation --crossover`` (bf16 GQA keys and MLA k_pe in 128-token
+#: chunks, 2 threads, 2-core development machine shared with other jobs): up to 256 KiB the
+#: parallel kernel took 1.02-1.11x the serial time, from 512 KiB 0.75-0.88x.
 SERIAL_BELOW_BYTES = 512 << 10
 
 
@@ -487,7 +488,7 @@ def rotate_segments_cpu_(
         return True
     elem, pair = _PROTOS[dtype]
     if parallel is None:
-        parallel = int(rows.sum()) * spec.rotary_dim * dtype.itemsize >= SERIAL_BELOW_BYTES
+        parallel = int(rows.sum()) * spec.key_dim * dtype.itemsize >= SERIAL_BELOW_BYTES
     args = (addresses, rows, table_rows, elem, pair, spec.key_dim, spec.rotary_offset, spec.half, cos, sin,
             spec.pairing is Pairing.INTERLEAVED)
     if not parallel:
