@@ -459,9 +459,12 @@ def _fallback(k: torch.Tensor, delta: Delta, spec: RopeSpec, out: torch.Tensor |
 #: Below this many rotary bytes (whole keys, pass-through dims included) a segment batch runs
 #: on the calling thread: waking the numba thread pool costs more than the work it splits.
 #: Chosen with ``./dev bench rotation --crossover`` (bf16 GQA keys and MLA k_pe in 128-token
-#: chunks, 2 threads, 2-core development machine shared with other jobs): up to 256 KiB the
-#: parallel kernel took 1.02-1.11x the serial time, from 512 KiB 0.75-0.88x.
-SERIAL_BELOW_BYTES = 512 << 10
+#: chunks, 2 threads, 2-core development machine): with the cores idle the parallel kernel
+#: took 1.02-1.11x the serial time up to 256 KiB and 0.75-0.88x from 512 KiB; with the cores
+#: busy with other processes (load average ~6) it took 2-90x up to 4 MiB (its second thread
+#: waits for a core) and first won at 32 MiB. A sidecar shares its host with an engine, so
+#: the threshold sits where losing the parallel gain costs little (< 0.3 ms per window).
+SERIAL_BELOW_BYTES = 4 << 20
 
 
 def rotate_segments_cpu_(
