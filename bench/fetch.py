@@ -8,20 +8,30 @@
 2. Lookup + Fetch (rotated by a non-zero delta, CPU tier) per 128-token chunk for a
    DeepSeek-V2-Lite-shaped payload (MLA: 27 layers x (c_kv 512 + k_pe 64), bf16: 4.5 MiB) and a
    Llama-3-8B-shaped one (32 layers x K,V 8 x 128, bf16: 16 MiB), with the breakdown.
+3. The same for the TTFT bench's agent_meta body on its ``--model random`` KV: 64 chunks (8K
+   tokens, 4 layers x K,V 2 x 64, fp32: 32 MiB) shifted behind a 1000-token header.
+
+``--baseline DIR`` starts a second sidecar from another checkout (e.g. ``git archive`` of the
+commit before a change) and times it in the same run, interleaved rep by rep; the figures of the
+result file from before issue 14 stay under ``before``.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextlib
+import json
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import numpy as np
 import torch
 
-from bench.harness import machine, pct, sidecar_process, time_calls, write_results
+from bench.harness import RESULTS, machine, pct, sidecar_process, time_calls, write_results
 from sidecar.client import SyncSidecarClient
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.rotation import RopeSpec
@@ -70,16 +80,95 @@ def deepseek_v2_lite() -> tuple[KVLayout, RopeSpec]:
     return layout, spec
 
 
+
+def random_llama_4x512() -> tuple[KVLayout, RopeSpec]:
+    """The TTFT bench's ``--model random`` KV: 4 layers x K,V 2 x 64, fp32 (4 KiB per token)."""
+    layout = KVLayout.gqa(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float32")
+    inv = (1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))).tolist()
+    return layout, RopeSpec(rotary_dim=64, key_dim=64, layout=RotaryLayout.LEADING, pairing=Pairing.HALF, inv_freq=inv)
+
+
+#: name -> (layout and spec, chunks of 128 tokens, shift): one chunk of each big shape, and the
+#: TTFT bench's agent_meta body (8K tokens behind a changed 1000-token header).
+CASES = {
+    "llama3_8b": (llama3_8b, 1, 40),
+    "deepseek_v2_lite": (deepseek_v2_lite, 1, 40),
+    "agent_meta_8k_random_4x512": (random_llama_4x512, 64, 1000),
+}
+
+
+def prepare(c: SyncSidecarClient, name: str, rng: np.random.Generator):
+    """Store the case's chunks (128-token anchored messages at position 0..) with payloads; return
+    the calls to time: Lookup of the shifted prompt, rotated Fetch and raw Fetch of its hits."""
+    make, chunks, shift = CASES[name]
+    layout, spec = make()
+    ident = CacheIdentity(model_id=name, kv_layout=layout.fingerprint(), rope_fingerprint=spec.fingerprint)
+    msgs = [np.concatenate([[ANCHOR], rng.integers(0, 150_000, 127)]) for _ in range(chunks)]
+    first = np.concatenate([*msgs, [ANCHOR]]).astype(np.uint32)
+    meta = c.store(first, identity=ident)
+    bounds = meta.chunk_bounds
+    g = torch.Generator().manual_seed(0)
+    payloads = {int(a): torch.randn((b - a) * layout.bytes_per_token // 2, generator=g).to(torch.bfloat16)
+                for a, b in zip(bounds[:-1], bounds[1:]) if b - a == 128}
+    c.store(first, identity=ident, layout=layout, payloads=payloads)
+    # The same messages later in another prompt: shifted by ``shift``.
+    prompt = np.concatenate([[ANCHOR], rng.integers(0, 150_000, shift - 1), *msgs]).astype(np.uint32)
+    hits = c.lookup(prompt, identity=ident).hits()
+    items = [(h.chunk_hash, h.start - h.chunk_offset) for h in hits]
+    assert len(items) == chunks, f"{name}: {len(items)} hits for {chunks} chunks"
+    size = sum(int(b - a) for a, b in zip(bounds[:-1], bounds[1:]) if b - a == 128) * layout.bytes_per_token
+    calls = {
+        "lookup": lambda: c.lookup(prompt, identity=ident),
+        "fetch_rotated": lambda: c.fetch(items, identity=ident, layout=layout, rope=spec),
+        "fetch_raw": lambda: c.fetch(items, identity=ident, layout=layout, raw=True),
+    }
+    return calls, {"chunks": chunks, "chunk_tokens": 128, "tokens": 128 * chunks, "shift": shift, "payload_mib": size / MiB}
+
+
+def paired(calls: dict[str, dict[str, Callable]], reps: int, warmup: int) -> dict[str, dict[str, np.ndarray]]:
+    """Time every server's calls rep by rep, interleaved (server A, server B, A, B, ...), so that
+    load from other processes hits both alike."""
+    for fns in calls.values():
+        for fn in fns.values():
+            for _ in range(warmup):
+                fn()
+    out = {srv: {k: np.empty(reps) for k in fns} for srv, fns in calls.items()}
+    for i in range(reps):
+        for srv, fns in calls.items():
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                out[srv][k][i] = time.perf_counter() - t0
+    return out
+
+
+def summarize(t: dict[str, np.ndarray], info: dict) -> dict:
+    size = info["payload_mib"] * MiB
+    return {
+        **info,
+        "lookup_p50_ms": pct(t["lookup"], 50) * 1e3,
+        "fetch_rotated_p50_ms": pct(t["fetch_rotated"], 50) * 1e3,
+        "fetch_raw_p50_ms": pct(t["fetch_raw"], 50) * 1e3,
+        "end_to_end_p50_ms": (pct(t["lookup"], 50) + pct(t["fetch_rotated"], 50)) * 1e3,
+        "end_to_end_p99_ms": (pct(t["lookup"], 99) + pct(t["fetch_rotated"], 99)) * 1e3,
+        "rotation_overhead_ms": (pct(t["fetch_rotated"], 50) - pct(t["fetch_raw"], 50)) * 1e3,
+        "fetch_rotated_gbps": size / pct(t["fetch_rotated"], 50) / 1e9,
+    }
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="another checkout (e.g. the commit before a change): its sidecar is timed in the same run, "
+                         "interleaved with this one, under 'baseline_same_run'")
     ap.add_argument("--bare-server", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.bare_server:
         _bare_server(args.bare_server)
         return
+    old = json.loads((RESULTS / "fetch.json").read_text()) if (RESULTS / "fetch.json").exists() else {}
     results: dict = {"machine": machine()}
-    rng = np.random.default_rng(0)
     nbytes = 16 * MiB
 
     # 1. bare stream of 16 MiB.
@@ -92,55 +181,53 @@ def main() -> None:
     finally:
         proc.kill()
 
-    with sidecar_process("--set", f"chunker.anchor_tokens=[{ANCHOR}]", "--set", "store.cpu_bytes=2147483648",
-                         "--set", "chunker.min_size=128", "--set", "chunker.max_size=128") as target:
-        with SyncSidecarClient(target, tenant="bench", timeout_s=60) as c:
-            rows = {}
-            for name, (layout, spec) in {"llama3_8b": llama3_8b(), "deepseek_v2_lite": deepseek_v2_lite()}.items():
-                ident = CacheIdentity(model_id=name, kv_layout=layout.fingerprint(), rope_fingerprint=spec.fingerprint)
-                # A 128-token chunk (an anchored message), stored once at position 0.
-                msg = np.concatenate([[ANCHOR], rng.integers(0, 150_000, 127)]).astype(np.uint32)
-                first = np.concatenate([msg, [ANCHOR]]).astype(np.uint32)
-                meta = c.store(first, identity=ident)
-                n = meta.chunk_bounds[1]
-                payload = torch.randn(n * layout.bytes_per_token // 2, dtype=torch.float32).to(torch.bfloat16)
-                c.store(first, identity=ident, layout=layout, payloads={0: payload})
-                # The same message later in another prompt: shifted by 40.
-                prompt = np.concatenate([[ANCHOR], rng.integers(0, 150_000, 39), msg]).astype(np.uint32)
-                plan = c.lookup(prompt, identity=ident)
-                hit = plan.hits()[0]
-                items = [(hit.chunk_hash, hit.start - hit.chunk_offset)]
-                lookup = time_calls(lambda: c.lookup(prompt, identity=ident), args.reps, warmup=5)
-                fetch_rot = time_calls(lambda: c.fetch(items, identity=ident, layout=layout, rope=spec), args.reps, warmup=3)
-                fetch_raw = time_calls(lambda: c.fetch(items, identity=ident, layout=layout, raw=True), args.reps, warmup=3)
-                size = n * layout.bytes_per_token
-                rows[name] = {
-                    "chunk_tokens": n,
-                    "payload_mib": size / MiB,
-                    "lookup_p50_ms": pct(lookup, 50) * 1e3,
-                    "fetch_rotated_p50_ms": pct(fetch_rot, 50) * 1e3,
-                    "fetch_raw_p50_ms": pct(fetch_raw, 50) * 1e3,
-                    "end_to_end_p50_ms": (pct(lookup, 50) + pct(fetch_rot, 50)) * 1e3,
-                    "end_to_end_p99_ms": (pct(lookup, 99) + pct(fetch_rot, 99)) * 1e3,
-                    "rotation_overhead_ms": (pct(fetch_rot, 50) - pct(fetch_raw, 50)) * 1e3,
-                    "fetch_rotated_gbps": size / pct(fetch_rot, 50) / 1e9,
-                }
-                if name == "llama3_8b":
-                    results["fetch_16mib_raw_p50_ms"] = pct(fetch_raw, 50) * 1e3
-                    results["bare_stream_16mib_p50_ms"] = pct(bare, 50) * 1e3
-                    results["fetch_vs_bare"] = pct(bare, 50) / pct(fetch_raw, 50)
-            results["chunks"] = rows
+    flags = ("--set", f"chunker.anchor_tokens=[{ANCHOR}]", "--set", "store.cpu_bytes=2147483648",
+             "--set", "chunker.min_size=128", "--set", "chunker.max_size=128")
+    servers = {"new": None} if args.baseline is None else {"new": None, "baseline": args.baseline.resolve()}
+    with contextlib.ExitStack() as stack:
+        clients = {}
+        for srv, root in servers.items():
+            target = stack.enter_context(sidecar_process(*flags, root=root))
+            clients[srv] = stack.enter_context(SyncSidecarClient(target, tenant="bench", timeout_s=120))
+        rows: dict[str, dict] = {srv: {} for srv in servers}
+        for name in CASES:
+            calls, info = {}, {}
+            for srv, c in clients.items():
+                calls[srv], info = prepare(c, name, np.random.default_rng(0))
+            reps = args.reps if info["chunks"] == 1 else max(10, args.reps // 2)
+            timed = paired(calls, reps, warmup=3)
+            for srv in servers:
+                rows[srv][name] = summarize(timed[srv], info)
+    results["chunks"] = rows["new"]
+    big = rows["new"]["llama3_8b"]
+    results["fetch_16mib_raw_p50_ms"] = big["fetch_raw_p50_ms"]
+    results["bare_stream_16mib_p50_ms"] = pct(bare, 50) * 1e3
+    results["fetch_vs_bare"] = pct(bare, 50) / (big["fetch_raw_p50_ms"] / 1e3)
+    if "baseline" in rows:
+        results["baseline_same_run"] = {"root": str(args.baseline), "chunks": rows["baseline"]}
+    before = old.get("before")
+    if before is None and "chunks" in old:  # the first run after issue 14 keeps the figures before it
+        before = {k: old[k] for k in old if k != "machine"}
+        before["note"] = "per-chunk-per-layer rotation on Fetch, before issue 14 (commit 4a610a9)"
+    if before is not None:
+        results["before"] = before
 
     print(f"16 MiB over loopback: bare stream {results['bare_stream_16mib_p50_ms']:.2f} ms "
           f"({nbytes / results['bare_stream_16mib_p50_ms'] / 1e6:.2f} GB/s), Fetch (raw) "
           f"{results['fetch_16mib_raw_p50_ms']:.2f} ms -> Fetch = {results['fetch_vs_bare']:.2f} of bare "
           f"(goal >= 0.50: {'met' if results['fetch_vs_bare'] >= 0.5 else 'MISSED'})")
-    print(f"{'payload':<18} {'tokens':>6} {'MiB':>6} {'lookup':>8} {'fetch+rot':>10} {'fetch raw':>10} "
+    print(f"{'payload':<28} {'server':<9} {'tokens':>6} {'MiB':>6} {'lookup':>8} {'fetch+rot':>10} {'fetch raw':>10} "
           f"{'rot cost':>9} {'e2e p50':>8} {'e2e p99':>8}  (ms)")
-    for name, r in rows.items():
-        print(f"{name:<18} {r['chunk_tokens']:>6} {r['payload_mib']:>6.2f} {r['lookup_p50_ms']:>8.3f} "
-              f"{r['fetch_rotated_p50_ms']:>10.2f} {r['fetch_raw_p50_ms']:>10.2f} {r['rotation_overhead_ms']:>9.2f} "
-              f"{r['end_to_end_p50_ms']:>8.2f} {r['end_to_end_p99_ms']:>8.2f}")
+    for name in CASES:
+        for srv in servers:
+            r = rows[srv][name]
+            print(f"{name:<28} {srv:<9} {r['tokens']:>6} {r['payload_mib']:>6.2f} {r['lookup_p50_ms']:>8.3f} "
+                  f"{r['fetch_rotated_p50_ms']:>10.2f} {r['fetch_raw_p50_ms']:>10.2f} {r['rotation_overhead_ms']:>9.2f} "
+                  f"{r['end_to_end_p50_ms']:>8.2f} {r['end_to_end_p99_ms']:>8.2f}")
+        if "baseline" in rows:
+            b, n = rows["baseline"][name], rows["new"][name]
+            print(f"{'':<28} new/baseline: fetch+rot {n['fetch_rotated_p50_ms'] / b['fetch_rotated_p50_ms']:.2f}, "
+                  f"rot cost {n['rotation_overhead_ms']:.2f} vs {b['rotation_overhead_ms']:.2f} ms")
     print(f"results: {write_results('fetch', results)}")
 
 

@@ -21,13 +21,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def spawn_sidecar(*flags: str, env: dict[str, str] | None = None, python: str | None = None,
-                  log: deque[str] | None = None) -> tuple[subprocess.Popen, str]:
+                  log: deque[str] | None = None, root: Path | None = None) -> tuple[subprocess.Popen, str]:
     """Start ``kv-sidecar serve`` in a child process and return it with its gRPC target once it
     serves (the caller owns the process: fault tests SIGKILL it). Extra settings go in as
     ``--set key=value`` flags. The port is read from the INFO start-up line, so the log level
     stays at INFO; after start-up a thread keeps draining the log (a full pipe would stall the
-    server) into ``log`` when one is given."""
-    root = Path(__file__).resolve().parents[1]
+    server) into ``log`` when one is given. ``root``: another checkout (a baseline server)."""
+    root = root or Path(__file__).resolve().parents[1]
     cmd = [python or sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--metrics-port", "-1", "--log-level", "INFO",
            *flags]
     lines: deque[str] = log if log is not None else deque(maxlen=200)
@@ -55,12 +55,12 @@ def spawn_sidecar(*flags: str, env: dict[str, str] | None = None, python: str | 
 
 @contextmanager
 def sidecar_process(*flags: str, env: dict[str, str] | None = None, python: str | None = None,
-                    log: deque[str] | None = None) -> Iterator[str]:
+                    log: deque[str] | None = None, root: Path | None = None) -> Iterator[str]:
     """Run ``kv-sidecar serve`` in a child process (its own interpreter and GIL, as deployed);
     yields the gRPC target (see ``spawn_sidecar``). ``python``: the interpreter of the server's
     environment (default: this one; an engine environment without the server's dependencies
     passes the main one, ``server_python()``)."""
-    proc, target = spawn_sidecar(*flags, env=env, python=python, log=log)
+    proc, target = spawn_sidecar(*flags, env=env, python=python, log=log, root=root)
     try:
         yield target
     finally:

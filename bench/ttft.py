@@ -57,7 +57,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import socket
 import sys
 import time
@@ -220,15 +219,22 @@ def free_port() -> int:
 class RotationMeter:
     """Server-side rotation seconds, from the sidecar's Prometheus counter."""
 
-    _RE = re.compile(r"^kv_sidecar_rotation_seconds(?:_total)? (\S+)$", re.M)
+    NAME = "kv_sidecar_rotation_seconds"
 
     def __init__(self, port: int) -> None:
         self.url = f"http://127.0.0.1:{port}/metrics"
 
     def read(self) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
         with urllib.request.urlopen(self.url, timeout=5) as r:
-            m = self._RE.search(r.read().decode())
-        return float(m.group(1)) if m else 0.0
+            text = r.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name == self.NAME:  # a counter family: its sample is NAME_total
+                for sample in family.samples:
+                    if sample.name in (self.NAME, f"{self.NAME}_total"):
+                        return float(sample.value)
+        return 0.0
 
 
 @dataclass(slots=True)
@@ -411,6 +417,46 @@ def goals(summaries: Sequence[Summary]) -> dict:
     return out
 
 
+def merge_partial(new: dict, out: Path, before_path: Path | None) -> dict:
+    """A ``--only`` run merged into the existing result file ``out``: its workloads' summaries,
+    records and goals replace the old ones, which move under ``before[label]`` (from
+    ``before_path`` when given); every other workload is kept as it was."""
+    old = json.loads(out.read_text()) if out.exists() else None
+    source = json.loads(before_path.read_text()) if before_path is not None else old
+    labels = {s["workload"] for s in new["summaries"]}
+    before = dict((old or {}).get("before", {}))
+    if source is not None:
+        for s in source.get("summaries", []):
+            if s["workload"] in labels:
+                before[s["workload"]] = {"summary": s, "from": str(before_path or out),
+                                         "runtime_s": source.get("runtime_s"), "args": source.get("args")}
+    if old is None:
+        return {**new, "before": before}
+    merged = dict(old)
+    merged["summaries"] = [s for s in old["summaries"] if s["workload"] not in labels] + new["summaries"]
+    merged["records"] = [r for r in old["records"] if r["workload"] not in labels] + new["records"]
+    merged["goals"] = {**old.get("goals", {}), **new["goals"]}
+    merged["goals_met"] = all(v["met"] for v in merged["goals"].values())
+    merged["partial_run"] = {"only": sorted(labels), "args": new["args"], "runtime_s": new["runtime_s"], "host": new["host"]}
+    merged["before"] = before
+    return merged
+
+
+def format_before_after(doc: dict, labels: Sequence[str]) -> str:
+    """The sidecar arm's overhead breakdown (ms), before -> after, for the ``--only`` workloads."""
+    now = {s["workload"]: s for s in doc["summaries"]}
+    keys = ("lookup", "fetch_transfer", "rotation", "assembly", "overhead")
+    lines = [f"{'sidecar overhead (ms)':<26} " + " ".join(f"{k:>22}" for k in keys)]
+    for label in labels:
+        old = doc.get("before", {}).get(label, {}).get("summary")
+        cells = []
+        for k in keys:
+            b = "-" if old is None else f"{old['breakdown_ms'][k]:.1f}"
+            cells.append(f"{b + ' -> ' + format(now[label]['breakdown_ms'][k], '.1f'):>22}")
+        lines.append(f"{label:<26} " + " ".join(cells))
+    return "\n".join(lines)
+
+
 def plot(records: Sequence[Record], labels: Sequence[str], path: Path, title: str = "") -> Path | None:
     """TTFT per request (turn) for the three arms, one panel per workload. None without matplotlib."""
     try:
@@ -550,6 +596,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", nargs="+", default=None, metavar="LABEL",
+                   help="run only these workloads (e.g. 'agent_meta[H=1000]'); the result file keeps its other "
+                        "workloads, and the previous figures of these under 'before'")
+    p.add_argument("--before", type=Path, default=None,
+                   help="with --only: take the 'before' figures from this result file (default: the output file)")
     p.add_argument("--out", type=Path, default=None, help="default bench/results/ttft.json (random: ttft_random.json)")
     p.add_argument("--plot", type=Path, default=None, help="default bench/results/ttft.png (random: ttft_random.png)")
     args = p.parse_args(argv)
@@ -574,6 +625,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = load_bench_model(args.model, args)
     template, model = setup.template, setup.model
     workloads = build_workloads(args, template, prof)
+    if args.only:
+        unknown = set(args.only) - {w.label for w in workloads}
+        if unknown:
+            raise SystemExit(f"--only: unknown workloads {sorted(unknown)}; known: {[w.label for w in workloads]}")
+        workloads = [w for w in workloads if w.label in args.only]
     wh = weights_fingerprint(model)
     cfg = model.config
     print(f"model: {setup.title}: {cfg.model_type} {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
@@ -605,8 +661,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"goal {name}: {val} (goal {v['goal']}): {'met' if v['met'] else 'NOT met'}")
     print(f"total {total:.0f}s; statistics over requests 1.. of each workload (request 0 is cold for every arm)")
     host = machine()
-    png = plot(records, [w.label for w in workloads], args.plot,
-               title=f"TTFT per request, {setup.title}, {host['cpus']}-core CPU")
+    png = None if args.only else plot(records, [w.label for w in workloads], args.plot,
+                                      title=f"TTFT per request, {setup.title}, {host['cpus']}-core CPU")
     doc = {
         "benchmark": "ttft (issue 5): time to first token, real forward passes",
         "arms": {
@@ -628,6 +684,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "host": host,
         "plot": str(png) if png else None,
     }
+    if args.only:
+        doc = merge_partial(doc, args.out, args.before)
+        print(format_before_after(doc, args.only))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}" + (f" and {png}" if png else ""))

@@ -196,6 +196,8 @@ def _add_servicer(servicer: pb_grpc.KVSidecarServicer, server: grpc.aio.Server) 
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
 
 
+# Hand-written on purpose (issue 14): protobuf's Python API cannot serialize a message around an
+# already-encoded multi-MiB bytes field without copying it; a tag + varint header is all it takes.
 _DATA_TAG = bytes([(8 << 3) | 2])  # FetchResponse.data / FetchSessionResponse.data: field 8, length-delimited
 
 

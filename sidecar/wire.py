@@ -6,7 +6,7 @@ mistake, naming the field (``InvalidArgument`` -> INVALID_ARGUMENT at the edge).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -73,38 +73,33 @@ def tokens_to_wire(tokens: "np.ndarray | Sequence[int] | bytes | bytearray | mem
 
 class IdentityCache:
     """Interns CacheIdentity objects by their wire fields (the salt is hashed once). LRU over
-    ``capacity`` identities; an identity whose strings total more than ``max_key_bytes`` is
-    built every time and never retained (real ones are short: the cache must not pin a
-    client's large strings)."""
+    ``capacity`` identities (``functools.lru_cache``); an identity whose strings total more than
+    ``max_key_bytes`` is built every time and never retained (real ones are short: the cache
+    must not pin a client's large strings)."""
 
     def __init__(self, capacity: int = 1024, max_key_bytes: int = 1024) -> None:
-        self._cache: OrderedDict[tuple, CacheIdentity] = OrderedDict()
-        self._capacity = capacity
+        self._build = functools.lru_cache(maxsize=capacity)(_build_identity)
         self._max_key_bytes = max_key_bytes
 
     def __len__(self) -> int:
-        return len(self._cache)
+        return self._build.cache_info().currsize
 
     def get(self, msg: pb.CacheIdentity, present: bool) -> CacheIdentity:
         if not present or not msg.model_id:
             raise InvalidArgument("identity.model_id is required")
         key = (msg.model_id, msg.weights_hash, msg.tokenizer_hash, msg.kv_layout, msg.rope_fingerprint,
                msg.block_size, msg.namespace)
-        cache = self._cache
-        ident = cache.get(key)
-        if ident is not None:
-            cache.move_to_end(key)
-            return ident
-        ident = CacheIdentity(
-            model_id=msg.model_id, weights_hash=msg.weights_hash, tokenizer_hash=msg.tokenizer_hash,
-            kv_layout=msg.kv_layout, rope_fingerprint=msg.rope_fingerprint, block_size=msg.block_size,
-            namespace=msg.namespace,
-        )
         if sum(len(k) for k in key if isinstance(k, str)) <= self._max_key_bytes:
-            cache[key] = ident
-            if len(cache) > self._capacity:
-                cache.popitem(last=False)
-        return ident
+            return self._build(*key)
+        return _build_identity(*key)
+
+
+def _build_identity(model_id: str, weights_hash: str, tokenizer_hash: str, kv_layout: str, rope_fingerprint: str,
+                    block_size: int, namespace: str) -> CacheIdentity:
+    return CacheIdentity(
+        model_id=model_id, weights_hash=weights_hash, tokenizer_hash=tokenizer_hash, kv_layout=kv_layout,
+        rope_fingerprint=rope_fingerprint, block_size=block_size, namespace=namespace,
+    )
 
 
 class RequestLimits:

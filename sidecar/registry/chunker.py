@@ -232,6 +232,9 @@ def _merge(acc, val):
     return acc * _P1 + _P4
 
 
+# Hand-written on purpose (issue 14): the xxhash package cannot be called from nopython code, and a
+# Python call per chunk would put the interpreter back into the compiled CDC pass; the tests pin
+# it to xxhash.xxh64 bit for bit.
 @numba.njit(inline="always")
 def _xxh64_tokens(tok, a, b, seed):
     """xxh64 of the little-endian bytes of tok[a:b] (uint32), identical to XXH64()."""

@@ -128,6 +128,9 @@ class InMemoryRegistry:
 
     def __init__(self, config: RegistryConfig) -> None:
         self.config = config
+        # Hand-written LRU on purpose (issue 14): it bounds two capacities at once (entries and
+        # bytes) plus a per-scope share, skips protected (claimed) entries and reports each
+        # eviction's reason; functools.lru_cache / cachetools bound one quantity and evict blindly.
         self._entries: OrderedDict[int, ChunkEntry] = OrderedDict()
         self._bytes = 0
         self._events: list[RegistryEvent] = []

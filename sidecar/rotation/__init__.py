@@ -10,6 +10,9 @@
 rotation fp32, and the result is rounded once to the storage dtype; non-rotary dims come back
 bit-identical.
 
+``rotate_payloads_(items, layout, spec)`` rotates the rotary parts of many chunk payloads
+(``(payload, num_tokens, delta)``) in one kernel call: the Fetch path (``batch.py``).
+
 Paths behind the one API: ``rotate_keys_native`` (pure torch, the reference), the fused CPU
 kernel (numba; fp32/bf16/fp16) and a Triton kernel for CUDA tensors. All agree with the
 reference (the CPU kernel bit for bit).
@@ -23,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from sidecar.rotation.angles import Delta
+from sidecar.rotation.batch import PayloadRotation, rotate_payloads_
 from sidecar.rotation.cpu import rotate_keys_cpu, rotate_slots_cpu_
 from sidecar.rotation.cuda import rotate_keys_cuda, rotate_slots_cuda_
 from sidecar.rotation.native import rotate_keys_native, rotate_slots_native_
@@ -32,10 +36,12 @@ __all__ = [
     "SUPPORTED_ROPE_TYPES",
     "Delta",
     "Pairing",
+    "PayloadRotation",
     "RopeSpec",
     "RotaryLayout",
     "rotate_keys",
     "rotate_keys_native",
+    "rotate_payloads_",
     "rotate_slots_",
     "rotate_slots_native_",
 ]

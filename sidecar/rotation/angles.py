@@ -15,14 +15,16 @@ delta)``.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sidecar.rotation.spec import RopeSpec
 
-__all__ = ["Delta", "RotationTable", "as_delta_tensor", "cos_sin", "rotation_table"]
+__all__ = ["Delta", "RotationTable", "as_delta_tensor", "cos_sin", "delta_tables", "rotation_table"]
 
 #: What callers may pass as a delta: a Python/NumPy integer or an integer tensor.
 Delta = int | torch.Tensor
@@ -51,28 +53,36 @@ def as_delta_tensor(delta: Delta, batch_shape: torch.Size | tuple[int, ...], dev
 
 def cos_sin(delta: torch.Tensor, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``cos``/``sin`` of ``delta[..., None] * inv_freq``, shaped ``delta.shape + (half,)``."""
-    inv_freq = spec.inv_freq_tensor.to(device=delta.device, dtype=torch.float64)
+    return _cos_sin_of(delta, spec.inv_freq_tensor.to(device=delta.device, dtype=torch.float64))
+
+
+def _cos_sin_of(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     angle = delta.to(torch.float64).unsqueeze(-1) * inv_freq
     return torch.cos(angle).to(torch.float32), torch.sin(angle).to(torch.float32)
 
 
-_SCALAR_TABLES: dict[tuple[str, int], "RotationTable"] = {}
-_SCALAR_TABLES_MAX = 4096
-
-
 def _scalar_table(spec: RopeSpec, delta: int) -> "RotationTable":
     """CPU table for one scalar delta, memoised: a Fetch rotates every layer of every chunk of a
-    shifted run by the same delta, and building the table is most of a small call's cost.
-    Tables are read-only; the cache is bounded (cleared when full)."""
-    key = (spec.fingerprint, delta)
-    table = _SCALAR_TABLES.get(key)
-    if table is None:
-        cos, sin = cos_sin(torch.tensor([delta], dtype=torch.int64), spec)
-        table = RotationTable(cos=cos, sin=sin, index=None)
-        if len(_SCALAR_TABLES) >= _SCALAR_TABLES_MAX:
-            _SCALAR_TABLES.clear()
-        _SCALAR_TABLES[key] = table
-    return table
+    shifted run by the same delta, and building the table is most of a small call's cost."""
+    return _scalar_table_for(spec.inv_freq, delta)
+
+
+# The table depends only on the fp32 frequencies and the delta; tables are read-only. An LRU
+# bounded to 4,096 entries (~1 MB at 64 pairs) instead of a hand-kept dict.
+@functools.lru_cache(maxsize=4096)
+def _scalar_table_for(inv_freq: tuple[float, ...], delta: int) -> "RotationTable":
+    cos, sin = _cos_sin_of(torch.tensor([delta], dtype=torch.int64), torch.tensor(inv_freq, dtype=torch.float64))
+    return RotationTable(cos=cos, sin=sin, index=None)
+
+
+def delta_tables(spec: RopeSpec, deltas: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """fp32 ``cos``/``sin`` ``[len(deltas), half]`` (numpy, contiguous), one row per delta, from
+    the same memoised rows scalar-delta calls use (so a batched rotation has the same bits as
+    one call per chunk)."""
+    tables = [_scalar_table(spec, d) for d in deltas]
+    if len(tables) == 1:
+        return tables[0].cos.numpy(), tables[0].sin.numpy()
+    return np.concatenate([x.cos.numpy() for x in tables]), np.concatenate([x.sin.numpy() for x in tables])
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,7 +36,7 @@ from sidecar.rotation.spec import Pairing, RopeSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AVAILABLE", "FUSED_DTYPES", "rotate_keys_cpu", "rotate_slots_cpu_", "supports"]
+__all__ = ["AVAILABLE", "FUSED_DTYPES", "SERIAL_BELOW_BYTES", "rotate_keys_cpu", "rotate_segments_cpu_", "rotate_slots_cpu_", "supports"]
 
 try:  # numba is a hard dependency of the project; stay importable without it anyway
     import numba
@@ -200,24 +200,26 @@ if AVAILABLE:
         return None
 
     @njit(inline="always")
-    def _rotate_one(src, dst, src_pairs, dst_pairs, s0, d0, half, cos, sin, t, interleaved):
-        """Rotate the rotary slice starting at element ``s0`` (src) into ``d0`` (dst)."""
+    def _rotate_one(src, dst, src_pairs, dst_pairs, s0, d0, half, c, s, interleaved):
+        """Rotate the rotary slice starting at element ``s0`` (src) into ``d0`` (dst) by the
+        table row ``c``/``s`` (1-D views: a row view per key lets LLVM keep the table row's
+        address out of the inner loop; 2-D ``cos[t, j]`` indexing cost ~30% on 64-dim k_pe)."""
         if interleaved:
             sp = s0 >> np.uint64(1)
             dp = d0 >> np.uint64(1)
             for j in range(np.uint64(0), half):
                 x, y = _load_pair(src_pairs, sp + j)
-                c = cos[t, j]
-                s = sin[t, j]
-                _store_pair(dst_pairs, dp + j, x * c - y * s, y * c + x * s)
+                cj = c[j]
+                sj = s[j]
+                _store_pair(dst_pairs, dp + j, x * cj - y * sj, y * cj + x * sj)
         else:
             for j in range(np.uint64(0), half):
                 x = _load(src, s0 + j)
                 y = _load(src, s0 + half + j)
-                c = cos[t, j]
-                s = sin[t, j]
-                _store(dst, d0 + j, x * c - y * s)
-                _store(dst, d0 + half + j, y * c + x * s)
+                cj = c[j]
+                sj = s[j]
+                _store(dst, d0 + j, x * cj - y * sj)
+                _store(dst, d0 + half + j, y * cj + x * sj)
 
     @njit(parallel=True, cache=True)
     def _rotate_rows(
@@ -243,7 +245,7 @@ if AVAILABLE:
                         dst[db + j] = src[sb + j]
                     for j in range(end, kd):
                         dst[db + j] = src[sb + j]
-                _rotate_one(src, dst, src_pairs, dst_pairs, sb + o, db + o, h, cos, sin, t, interleaved)
+                _rotate_one(src, dst, src_pairs, dst_pairs, sb + o, db + o, h, cos[t], sin[t], interleaved)
 
     @njit(parallel=True, cache=True)
     def _rotate_slots(pool, pool_pairs, slot_ids, slot_stride, head_stride, heads, off, half, cos, sin, index, interleaved, nchunks):
@@ -261,9 +263,55 @@ if AVAILABLE:
             for i in range(lo, hi):
                 t = np.uint64(index[i]) if per_slot else np.uint64(0)
                 base = np.uint64(slot_ids[i]) * ss + o
+                c = cos[t]
+                s = sin[t]
                 for head in range(np.uint64(0), nh):
                     b = base + head * hs
-                    _rotate_one(pool, pool, pool_pairs, pool_pairs, b, b, h, cos, sin, t, interleaved)
+                    _rotate_one(pool, pool, pool_pairs, pool_pairs, b, b, h, c, s, interleaved)
+
+    @intrinsic
+    def _address_as_pointer(typingctx, address, like):
+        """``address`` (an int64 from ``Tensor.data_ptr()``) as a pointer to ``like``'s dtype."""
+        ptr = types.CPointer(like.dtype)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+        return ptr(types.int64, like), codegen
+
+    @njit(inline="always")
+    def _rotate_segment(i, addrs, rows, trow, elem_proto, pair_proto, kd, o, h, cos, sin, interleaved):
+        """In place: segment ``i`` = ``rows[i]`` keys of ``kd`` elements at ``addrs[i]``, every
+        key rotated by table row ``trow[i]`` (one row per segment: it stays in L1)."""
+        n = np.uint64(rows[i])
+        t = trow[i]
+        c = cos[t]
+        s = sin[t]
+        a = numba.carray(_address_as_pointer(addrs[i], elem_proto), (n * kd,))
+        m = n * kd >> np.uint64(1) if interleaved else np.uint64(0)
+        p = numba.carray(_address_as_pointer(addrs[i], pair_proto), (m,))
+        for r in range(np.uint64(0), n):
+            b = r * kd + o
+            _rotate_one(a, a, p, p, b, b, h, c, s, interleaved)
+
+    # nogil: a Fetch rotates in a worker thread while the event loop streams earlier items.
+    @njit(parallel=True, cache=True, nogil=True)
+    def _rotate_segments_parallel(addrs, rows, trow, elem_proto, pair_proto, key_dim, off, half, cos, sin, interleaved):
+        """Every segment (see ``_rotate_segment``), segments spread over the numba threads."""
+        kd = np.uint64(key_dim)
+        o = np.uint64(off)
+        h = np.uint64(half)
+        for i in prange(addrs.shape[0]):
+            _rotate_segment(i, addrs, rows, trow, elem_proto, pair_proto, kd, o, h, cos, sin, interleaved)
+
+    @njit(cache=True, nogil=True)
+    def _rotate_segments_serial(addrs, rows, trow, elem_proto, pair_proto, key_dim, off, half, cos, sin, interleaved):
+        """``_rotate_segments_parallel`` on the calling thread (no thread-pool launch)."""
+        kd = np.uint64(key_dim)
+        o = np.uint64(off)
+        h = np.uint64(half)
+        for i in range(addrs.shape[0]):
+            _rotate_segment(i, addrs, rows, trow, elem_proto, pair_proto, kd, o, h, cos, sin, interleaved)
 
 
 _NO_INDEX = np.empty(0, dtype=np.int32)
@@ -406,3 +454,56 @@ def _fallback(k: torch.Tensor, delta: Delta, spec: RopeSpec, out: torch.Tensor |
         return result
     out.copy_(result)
     return out
+
+
+#: Below this many rotary bytes (whole keys, pass-through dims included) a segment batch runs
+#: on the calling thread: waking the numba thread pool costs more than the work it splits.
+#: Chosen with ``./dev bench rotation --crossover`` (bf16 GQA keys and MLA k_pe in 128-token
+#: chunks, 2 threads, 2-core development machine): with the cores idle the parallel kernel
+#: took 1.02-1.11x the serial time up to 256 KiB and 0.75-0.88x from 512 KiB; with the cores
+#: busy with other processes (load average ~6) it took 2-90x up to 4 MiB (its second thread
+#: waits for a core) and first won at 32 MiB. A sidecar shares its host with an engine, so
+#: the threshold sits where losing the parallel gain costs little (< 0.3 ms per window).
+SERIAL_BELOW_BYTES = 4 << 20
+
+
+def rotate_segments_cpu_(
+    addresses: np.ndarray, rows: np.ndarray, table_rows: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+    dtype: torch.dtype, spec: RopeSpec, *, parallel: bool | None = None,
+) -> bool:
+    """In place, one kernel call: ``rows[i]`` contiguous keys (``spec.key_dim`` elements each)
+    at memory address ``addresses[i]``, all rotated by table row ``table_rows[i]`` of
+    ``cos``/``sin`` (contiguous fp32 ``[U, spec.half]``, ``angles.delta_tables``). The three
+    index arrays are int64.
+
+    Unchecked memory access: the caller guarantees that every segment lies inside a live,
+    writable CPU buffer of ``dtype`` it keeps referenced during the call, that segments do not
+    overlap, and that every address is aligned to the element size (to twice it for
+    interleaved pairing, with an even ``key_dim`` and ``rotary_offset``).
+    ``sidecar.rotation.batch.rotate_payloads_`` is the checked entry point.
+
+    ``parallel``: None picks by size (``SERIAL_BELOW_BYTES``). Returns False, changing nothing,
+    when the fused kernels cannot run for ``dtype`` here (the caller falls back).
+    """
+    if not AVAILABLE or dtype not in FUSED_DTYPES or dtype in _disabled:
+        return False
+    if addresses.shape[0] == 0:
+        return True
+    elem, pair = _PROTOS[dtype]
+    if parallel is None:
+        parallel = int(rows.sum()) * spec.key_dim * dtype.itemsize >= SERIAL_BELOW_BYTES
+    args = (addresses, rows, table_rows, elem, pair, spec.key_dim, spec.rotary_offset, spec.half, cos, sin,
+            spec.pairing is Pairing.INTERLEAVED)
+    if not parallel:
+        try:
+            _rotate_segments_serial(*args)  # no thread pool: safe without the launch lock
+            return True
+        except NumbaError:
+            logger.warning("fused CPU rotation unavailable for %s; using the torch reference", dtype, exc_info=True)
+            _disabled.add(dtype)
+            return False
+    return _run(_rotate_segments_parallel, dtype, *args)
+
+
+#: Empty arrays that carry each storage dtype's element and pair view types into the kernels.
+_PROTOS = {dt: (np.empty(0, dtype=e[1]), np.empty(0, dtype=p[1])) for dt, (e, p) in _VIEWS.items()}

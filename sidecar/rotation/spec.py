@@ -10,10 +10,11 @@ rotation per pair (ARCHITECTURE.md, "Rotation contract")::
     pairing HALF (NEOX):        (r[j], r[j + rotary_dim/2])   rotated by inv_freq[j]
     pairing INTERLEAVED (GPT-J): (r[2j], r[2j + 1])           rotated by inv_freq[j]
 
-``from_hf_config`` computes the fp32 frequency table with the same torch operations, in the same
-order, as transformers 5.x does (``modeling_rope_utils`` and each model's
-``compute_default_rope_parameters``), so the table is bit-identical to the model's ``inv_freq``
-buffer; the tests check that for every supported family. YaRN / LongRoPE attention scaling is
+``from_hf_config`` computes the fp32 frequency table the way transformers 5.x does: the scaled
+types through transformers' own ``ROPE_INIT_FUNCTIONS``, ``default`` with the same torch
+operations, in the same order, as each model's ``compute_default_rope_parameters``; so the table
+is bit-identical to the model's ``inv_freq`` buffer (the tests check it for every supported
+family). YaRN / LongRoPE attention scaling is
 recorded in ``attention_scaling`` but is already inside every cached key and is never applied
 again by a rotation.
 """
@@ -234,7 +235,7 @@ class RopeSpec:
 
         is_mla = getattr(text, "qk_rope_head_dim", None) is not None and getattr(text, "kv_lora_rank", None) is not None
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        inv_freq, attention_scaling = _inv_freq_table(text, params, rope_type, head_dim)
+        inv_freq, attention_scaling = _inv_freq_table(text, params, rope_type, head_dim, layer_type)
         rotary_dim = 2 * int(inv_freq.numel())
         if is_mla:
             if rotary_dim != int(text.qk_rope_head_dim):
@@ -273,110 +274,34 @@ def _rope_parameters(config: Any, layer_type: str | None) -> dict[str, Any]:
     return dict(params)
 
 
-def _inv_freq_table(config: Any, params: dict[str, Any], rope_type: str, head_dim: int) -> tuple[torch.Tensor, float]:
-    """fp32 inverse frequencies and attention scaling, op for op as transformers 5.x computes them.
+def _inv_freq_table(
+    config: Any, params: dict[str, Any], rope_type: str, head_dim: int, layer_type: str | None
+) -> tuple[torch.Tensor, float]:
+    """fp32 inverse frequencies and attention scaling, exactly as the model computes them.
 
-    Mirrors ``compute_default_rope_parameters`` and ``_compute_{linear_scaling,yarn,longrope,
-    llama3}_parameters`` in ``transformers/modeling_rope_utils.py`` (Apache-2.0): same dtypes,
-    same operation order, so the result is bit-identical to the model's ``inv_freq`` buffer.
+    ``default`` mirrors each model's ``compute_default_rope_parameters`` (op for op, so the
+    table is bit-identical to the model's ``inv_freq`` buffer). The scaled types (``linear``,
+    ``llama3``, ``yarn``, ``longrope``) call transformers' own ``ROPE_INIT_FUNCTIONS`` with the
+    config the model's rotary embedding is built from, so they are bit-identical by
+    construction (``longrope`` is only reached with equal short/long factors, where the
+    length argument does not matter).
     """
     base = params["rope_theta"]
     partial_rotary_factor = params.get("partial_rotary_factor", 1.0)
     dim = int(head_dim * partial_rotary_factor)
     if dim <= 0 or dim % 2:
         raise ValueError(f"rotary dim {dim} (head_dim {head_dim} x partial_rotary_factor {partial_rotary_factor}) must be even")
-
-    def default_inv_freq() -> torch.Tensor:
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
-
     if rope_type == "default":
-        return default_inv_freq(), 1.0
-    if rope_type == "linear":
-        inv_freq = default_inv_freq()
-        inv_freq /= params["factor"]
-        return inv_freq, 1.0
-    if rope_type == "llama3":
-        return _llama3(params, default_inv_freq()), 1.0
-    if rope_type == "yarn":
-        return _yarn(config, params, base, dim)
-    if rope_type == "longrope":
-        return _longrope(config, params, base, dim)
-    raise ValueError(f"rope_type {rope_type!r} is not supported")
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim)), 1.0
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-
-def _llama3(params: dict[str, Any], inv_freq: torch.Tensor) -> torch.Tensor:
-    factor = params["factor"]
-    low_freq_factor = params["low_freq_factor"]
-    high_freq_factor = params["high_freq_factor"]
-    old_context_len = params["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
-    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
-
-
-def _yarn(config: Any, params: dict[str, Any], base: float, dim: int) -> tuple[torch.Tensor, float]:
-    factor = params["factor"]
-    attention_factor = params.get("attention_factor")
-    mscale = params.get("mscale")
-    mscale_all_dim = params.get("mscale_all_dim")
-    original_max_position_embeddings = params["original_max_position_embeddings"]
-    if factor is None:
-        factor = config.max_position_embeddings / original_max_position_embeddings
-
-    def get_mscale(scale: float, mscale: float = 1) -> float:
-        if scale <= 1:
-            return 1.0
-        return 0.1 * mscale * math.log(scale) + 1.0
-
-    if attention_factor is None:
-        if mscale and mscale_all_dim:
-            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
-        else:
-            attention_factor = get_mscale(factor)
-    beta_fast = params.get("beta_fast") or 32
-    beta_slow = params.get("beta_slow") or 1
-
-    def find_correction_dim(num_rotations: float) -> float:
-        return (dim * math.log(original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low = find_correction_dim(beta_fast)
-    high = find_correction_dim(beta_slow)
-    # transformers reads `truncate` from the top-level rope_parameters, even when nested.
-    truncate = (getattr(config, "rope_parameters", None) or {}).get("truncate", True)
-    if truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # transformers' guard against a zero-width ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-
-    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
-    inv_freq_extrapolation = 1.0 / pos_freqs
-    inv_freq_interpolation = 1.0 / (factor * pos_freqs)
-    extrapolation_factor = 1 - ramp.to(dtype=torch.float)
-    inv_freq = inv_freq_interpolation * (1 - extrapolation_factor) + inv_freq_extrapolation * extrapolation_factor
-    return inv_freq, float(attention_factor)
-
-
-def _longrope(config: Any, params: dict[str, Any], base: float, dim: int) -> tuple[torch.Tensor, float]:
-    short_factor = params["short_factor"]
-    factor = params.get("factor")
-    attention_factor = params.get("attention_factor")
-    original_max_position_embeddings = params["original_max_position_embeddings"]
-    if factor is None:
-        factor = config.max_position_embeddings / original_max_position_embeddings
-    if attention_factor is None:
-        if factor <= 1.0:
-            attention_factor = 1.0
-        else:
-            attention_factor = math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))
-    ext_factors = torch.tensor(short_factor, dtype=torch.float32)
-    if ext_factors.numel() != dim // 2:
-        raise ValueError(f"longrope short_factor has {ext_factors.numel()} entries, rotary dim {dim} needs {dim // 2}")
-    inv_freq_shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    return 1.0 / (ext_factors * base**inv_freq_shape), float(attention_factor)
+    try:
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)
+    except KeyError as exc:
+        raise ValueError(f"rope_type {rope_type!r}: rope_parameters lack {exc.args[0]!r}") from exc
+    inv_freq = inv_freq.to(torch.float32)
+    if inv_freq.numel() != dim // 2:
+        raise ValueError(f"rope_type {rope_type!r}: {inv_freq.numel()} frequencies for rotary dim {dim} (needs {dim // 2})")
+    return inv_freq, float(attention_scaling)

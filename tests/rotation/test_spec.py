@@ -181,3 +181,21 @@ def test_fingerprint_is_stable_across_processes():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root, env=env).stdout.strip()
     assert there.splitlines()[-1] == here
+
+
+def test_scaled_tables_come_from_transformers_rope_init_functions():
+    """linear / llama3 / yarn / longrope go through transformers' own ROPE_INIT_FUNCTIONS (with
+    the layer type), so the table is the function's output bit for bit."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = tf.Qwen3Config(head_dim=64, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32768)
+    cfg.rope_parameters = {
+        "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 8192},
+        "sliding_attention": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+    }
+    for layer_type, rope_type in (("full_attention", "yarn"), ("sliding_attention", "linear")):
+        spec = RopeSpec.from_hf_config(cfg, layer_type=layer_type)
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, None, layer_type=layer_type)
+        torch.testing.assert_close(spec.inv_freq_tensor, inv_freq.float(), rtol=0, atol=0)
+        assert spec.attention_scaling == float(scaling) and spec.rope_type == rope_type

@@ -1,0 +1,192 @@
+"""Batched rotation of chunk payloads: many (payload, delta) pairs, one kernel call.
+
+A rotated Fetch re-positions every rotary part of every layer of every chunk it answers. One
+``rotate_keys`` call per chunk per layer (~256 calls for 8K tokens) costs more in call overhead
+than in work; here the rotary parts of all payloads become one list of segments::
+
+    payload (num_tokens n, KVLayout order)       segments (one per chunk x layer x rotary part)
+    | L0: k [n, H, D] | v ... | L1: k ... |  ->   address = payload + n * part_offset_per_token
+                                                 rows    = n * H (keys of D = spec.key_dim)
+                                                 table   = the payload's delta (deduplicated)
+
+and the fused CPU kernel rotates all of them in place in one call (``cpu.rotate_segments_cpu_``:
+the parallel kernel, or the serial one for small batches). Results are bit-identical to
+rotating each part with ``rotate_keys`` (same fp32 cos/sin table rows, same expression order,
+one rounding). Segment addresses come from ``Tensor.data_ptr()`` and the layout's byte offsets,
+computed with numpy per payload (no per-layer or per-token Python).
+
+Where the fused kernel cannot run (CUDA buffers, fp8 or other dtypes, misaligned parts, numba
+missing) each part goes through ``rotate_keys`` instead: same results, one call per part.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sidecar.identity import KVLayout
+import sidecar.rotation.cpu as cpu
+from sidecar.rotation.angles import delta_tables
+from sidecar.rotation.spec import Pairing, RopeSpec
+
+__all__ = ["PayloadRotation", "rotate_payloads_"]
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadRotation:
+    """What ``rotate_payloads_`` did: ``rotated_bytes`` of rotary parts in ``seconds``;
+    ``kernel_calls`` fused calls (1 per distinct rotary dtype/shape) or ``fallback_calls``
+    per-part ``rotate_keys`` calls."""
+
+    rotated_bytes: int
+    seconds: float
+    kernel_calls: int
+    fallback_calls: int
+
+
+@dataclass(frozen=True, slots=True)
+class _RotaryGroup:
+    """The rotary parts of one dtype and key shape, per token: ``offsets`` (bytes from the
+    payload start, per layer, in units of ``num_tokens``) and ``keys`` per token per part."""
+
+    dtype: torch.dtype
+    offsets: np.ndarray  # int64 [num rotary parts over all layers]
+    keys_per_token: int
+    bytes_per_token: int  # of one part
+
+
+_GROUPS: dict[str, tuple[_RotaryGroup, ...]] = {}
+
+
+def _groups(layout: KVLayout, key_dim: int) -> tuple[_RotaryGroup, ...]:
+    """The layout's rotary parts grouped by (dtype, keys per token); memoised per layout."""
+    key = f"{layout.fingerprint()}:{key_dim}"
+    got = _GROUPS.get(key)
+    if got is not None:
+        return got
+    per_layer = sum(p.bytes_per_token for p in layout.parts)
+    found: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    prefix = 0
+    starts = []
+    for p in layout.parts:
+        starts.append(prefix)
+        prefix += p.bytes_per_token
+    for layer in range(layout.num_layers):
+        for p, start in zip(layout.parts, starts):
+            if p.rotary:
+                if p.shape[-1] != key_dim:
+                    raise ValueError(f"rope.key_dim: {key_dim} does not match the last dim {p.shape[-1]} of rotary part {p.name!r}")
+                found.setdefault((p.dtype, p.shape), []).append(layer * per_layer + start)
+    out = []
+    for (dtype, shape), offs in found.items():
+        keys = int(np.prod(shape[:-1], dtype=np.int64))
+        part = next(p for p in layout.parts if p.rotary and p.dtype == dtype and p.shape == shape)
+        out.append(_RotaryGroup(dtype=getattr(torch, dtype), offsets=np.asarray(offs, dtype=np.int64),
+                                keys_per_token=keys, bytes_per_token=part.bytes_per_token))
+    groups = tuple(out)
+    if len(_GROUPS) >= 256:  # layouts are few per deployment; bound it anyway
+        _GROUPS.clear()
+    _GROUPS[key] = groups
+    return groups
+
+
+def rotate_payloads_(
+    items: Sequence[tuple[torch.Tensor, int, int]], layout: KVLayout, spec: RopeSpec, *, parallel: bool | None = None
+) -> PayloadRotation:
+    """Rotate the rotary parts of every payload in place by its delta, in one kernel call.
+
+    Args:
+      items: ``(payload, num_tokens, delta)`` per chunk (or per run of consecutive chunks
+        stored as one payload): ``payload`` a contiguous 1-D ``uint8`` tensor of
+        ``num_tokens * layout.bytes_per_token`` bytes in ``KVLayout`` order, writable, not
+        shared between items (pass each buffer once); ``delta`` an int (0 leaves it as is).
+      layout: the payloads' ``KVLayout``; its rotary parts' last dim must be ``spec.key_dim``.
+      spec: the keys' ``RopeSpec``.
+      parallel: force the parallel (True) or serial (False) kernel; None picks by size.
+    Returns:
+      ``PayloadRotation`` (bytes rotated, time, calls). Pass-through dims and non-rotary parts
+      are left bit-identical. Not idempotent: each call rotates again.
+    Raises:
+      ValueError / TypeError: a payload of the wrong size, dtype or shape, a repeated buffer, a
+      non-integer delta. Checked before anything is written.
+    """
+    t0 = time.perf_counter()
+    per_token = layout.bytes_per_token
+    groups = _groups(layout, spec.key_dim)
+    moving: list[int] = []  # items with a non-zero delta
+    ptrs: list[int] = []
+    ntok: list[int] = []
+    trow: list[int] = []
+    row_of: dict[int, int] = {}  # distinct delta -> table row
+    cuda = False
+    for i, (payload, num_tokens, delta) in enumerate(items):
+        if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
+            raise TypeError(f"items[{i}].payload must be a contiguous 1-D uint8 tensor")
+        if isinstance(delta, bool) or not isinstance(delta, (int, np.integer)):
+            raise TypeError(f"items[{i}].delta must be an int, got {type(delta).__name__}")
+        if num_tokens <= 0 or payload.numel() != num_tokens * per_token:
+            raise ValueError(f"items[{i}].payload has {payload.numel()} bytes; kv_layout x {num_tokens} tokens needs "
+                             f"{num_tokens * per_token}")
+        if delta:
+            cuda = cuda or payload.device.type != "cpu"
+            moving.append(i)
+            ptrs.append(payload.data_ptr())
+            ntok.append(num_tokens)
+            trow.append(row_of.setdefault(int(delta), len(row_of)))
+    if not moving:
+        return PayloadRotation(0, time.perf_counter() - t0, 0, 0)
+    p = np.array(ptrs, dtype=np.int64)
+    n = np.array(ntok, dtype=np.int64)
+    if len(moving) > 1:
+        order = np.argsort(p, kind="stable")
+        if (p[order][1:] < (p[order] + n[order] * per_token)[:-1]).any():
+            raise ValueError("items: two payloads share memory (a buffer listed twice would be rotated twice)")
+    t = np.array(trow, dtype=np.int64)
+    interleaved = spec.pairing is Pairing.INTERLEAVED
+    rotated = kernel_calls = fallback_calls = 0
+    tables = None
+    for g in groups:
+        parts = len(g.offsets)
+        addrs = (p[:, None] + n[:, None] * g.offsets[None, :]).reshape(-1)
+        width = g.dtype.itemsize * (2 if interleaved else 1)
+        fused = (
+            not cuda
+            and not (addrs % width).any()
+            and (not interleaved or (spec.key_dim % 2 == 0 and spec.rotary_offset % 2 == 0))
+        )
+        if fused:
+            if tables is None:
+                # The same memoised fp32 rows a per-chunk rotate_keys(delta) uses: same bits.
+                tables = delta_tables(spec, list(row_of))
+            rows = np.repeat(n * g.keys_per_token, parts)
+            fused = cpu.rotate_segments_cpu_(addrs, rows, np.repeat(t, parts), *tables, g.dtype, spec, parallel=parallel)
+            kernel_calls += int(fused)
+        if not fused:
+            fallback_calls += _rotate_parts(items, moving, g, spec)
+        rotated += int(n.sum()) * g.bytes_per_token * parts
+    return PayloadRotation(rotated, time.perf_counter() - t0, kernel_calls, fallback_calls)
+
+
+def _rotate_parts(items, idx: list[int], g: _RotaryGroup, spec: RopeSpec) -> int:
+    """One ``rotate_keys`` per rotary part (CUDA buffers, unsupported dtypes, misaligned parts)."""
+    from sidecar.rotation import rotate_keys
+
+    calls = 0
+    for i in idx:
+        payload, num_tokens, delta = items[i]
+        for off in g.offsets.tolist():
+            start = off * num_tokens
+            raw = payload[start : start + g.bytes_per_token * num_tokens]
+            if raw.data_ptr() % g.dtype.itemsize:
+                part = raw.clone().view(g.dtype).view(-1, spec.key_dim)
+                rotate_keys(part, int(delta), spec, out=part)
+                raw.copy_(part.view(-1).view(torch.uint8))
+            else:
+                part = raw.view(g.dtype).view(-1, spec.key_dim)
+                rotate_keys(part, int(delta), spec, out=part)
+            calls += 1
+    return calls
