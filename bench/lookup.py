@@ -15,7 +15,9 @@ import argparse
 import grpc
 import numpy as np
 
-from bench.harness import machine, pct, sidecar_process, time_calls, write_results
+import json
+
+from bench.harness import RESULTS, machine, pct, sidecar_process, time_calls, write_results
 from sidecar.client import SyncSidecarClient
 from sidecar.identity import CacheIdentity
 from sidecar.v1 import sidecar_pb2 as pb
@@ -83,7 +85,30 @@ def main() -> None:
     if big:
         print(f"budget: {max(sizes)}-token Lookup p50 <= 2x empty RTT: "
               f"{'met' if big['p50_ratio'] <= 2 else 'MISSED'} ({big['p50_ratio']:.2f}x)")
+    before = _before()
+    if before:
+        results["before"] = before
+        print(f"before ({before.get('label', 'earlier run')}) -> now, p50 ms (p50/ping):")
+        for k, row in results["sizes"].items():
+            b = before.get("sizes", {}).get(k)
+            if b:
+                print(f"  {k:>6}: {b['lookup_p50_ms']:.3f} ({b['p50_ratio']:.2f}x) -> {row['lookup_p50_ms']:.3f} "
+                      f"({row['p50_ratio']:.2f}x); segments {b['segments']} -> {row['segments']}")
     print(f"results: {write_results('lookup', results)}")
+
+
+BEFORE_LABEL = "before issue 14 (commit 4a610a9), same machine, run just before"
+
+
+def _before() -> dict | None:
+    """The ``before`` block of the previous results file, or that file's figures."""
+    try:
+        old = json.loads((RESULTS / "lookup.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if "before" in old:
+        return old["before"]
+    return {"label": BEFORE_LABEL, "machine": old.get("machine"), "reps": old.get("reps"), "sizes": old.get("sizes", {})}
 
 
 if __name__ == "__main__":

@@ -51,6 +51,8 @@ EXACT_BLOCK = 16
 LMCACHE_CHUNK = 256
 ORACLE_WINDOW = 64
 GOAL_ORACLE_FRACTION = 0.95
+#: issue 14: no hit segment (and no Fetch item) below this many tokens
+MIN_FETCH_TOKENS = 16
 TRACE_NAMES = ("tau_bench", "mini_swe")
 #: ``--quick`` replays this many trajectories per trace file; the default run replays all of them.
 QUICK_TRACE_LIMITS = {"tau_bench": 8, "mini_swe": 3}
@@ -245,6 +247,12 @@ class SidecarCounts:
     shifted: np.ndarray
     evictions: int
     verify_failures: int
+    #: hit segments (coalesced runs of chunk hits, ``LookupPlan.hit_segments``) per request
+    segments: np.ndarray
+    #: the length of every hit segment of the workload, in tokens
+    segment_tokens: np.ndarray
+    #: CHUNK_HIT rows (one Fetch item each) and their lengths
+    hit_rows: np.ndarray
 
     @property
     def recovered(self) -> np.ndarray:
@@ -287,7 +295,9 @@ class SidecarArm:
 
         ident = CacheIdentity(model_id="bench")
         n = len(requests)
-        prefix, exact, shifted = (np.zeros(n, dtype=np.int64) for _ in range(3))
+        prefix, exact, shifted, segments = (np.zeros(n, dtype=np.int64) for _ in range(4))
+        seg_tokens: list[np.ndarray] = []
+        rows: list[np.ndarray] = []
         with ServerThread(self.config) as st, SyncSidecarClient(st.target, tenant="bench", timeout_s=120.0) as client:
             for i, tokens in enumerate(requests):
                 plan = client.lookup(
@@ -301,6 +311,11 @@ class SidecarArm:
                 if s.prefix_tokens + s.exact_tokens + s.shifted_tokens + s.prefill_tokens != len(tokens):
                     raise AssertionError(f"sidecar plan summary does not add up to the prompt at request {i}: {s}")
                 prefix[i], exact[i], shifted[i] = s.prefix_tokens, s.exact_tokens, s.shifted_tokens
+                segs = plan.hit_segments()
+                segments[i] = len(segs)
+                seg_tokens.append(segs[:, 1] - segs[:, 0])
+                hit = plan.table[plan.table[:, 0] == 2].astype(np.int64)
+                rows.append(hit[:, 2] - hit[:, 1])
                 client.store(tokens, identity=ident)
             stats = client.stats()
         return SidecarCounts(
@@ -309,6 +324,9 @@ class SidecarArm:
             shifted=shifted,
             evictions=int(stats.registry.evictions),
             verify_failures=int(stats.registry.verify_failures),
+            segments=segments,
+            segment_tokens=np.concatenate(seg_tokens) if seg_tokens else np.zeros(0, dtype=np.int64),
+            hit_rows=np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64),
         )
 
 
@@ -342,6 +360,8 @@ class WorkloadResult:
     sidecar_below_exact16_requests: int
     sidecar_evictions: int
     sidecar_verify_failures: int
+    #: hit segments: per request (mean), median length, and the shortest; Fetch items (hit rows)
+    sidecar_segments: dict[str, float]
     seconds: dict[str, float]
     mask_compare: MaskComparison | None = None
 
@@ -386,6 +406,25 @@ class WorkloadResult:
                 "mean_chunk_tokens_low": round(mc.mean_chunk_low, 1),
             }
         return d
+
+
+def segment_stats(sc: SidecarCounts) -> dict[str, float]:
+    """Hit segments per request, their median and shortest length; Fetch items (one span per
+    hit segment) and plan rows (one per chunk piece), and how many are below ``MIN_FETCH_TOKENS``."""
+    seg, rows = sc.segment_tokens, sc.hit_rows
+    return {
+        "per_request": round(float(sc.segments.mean()), 2) if len(sc.segments) else 0.0,
+        "median_tokens": float(np.median(seg)) if len(seg) else 0.0,
+        "min_tokens": int(seg.min()) if len(seg) else 0,
+        "below_min": int((seg < MIN_FETCH_TOKENS).sum()),
+        # span Fetch items (FetchItem.num_tokens, plan.fetch_spans): one per hit segment
+        "fetch_items": int(len(seg)),
+        "fetch_items_below_min": int((seg < MIN_FETCH_TOKENS).sum()),
+        # the plan's CHUNK_HIT rows (one per chunk piece): what per-chunk Fetch items would be
+        "chunk_rows": int(len(rows)),
+        "chunk_rows_below_min": int((rows < MIN_FETCH_TOKENS).sum()),
+        "median_chunk_row_tokens": float(np.median(rows)) if len(rows) else 0.0,
+    }
 
 
 @dataclass
@@ -445,6 +484,7 @@ class Bench:
             sidecar_below_exact16_requests=int((rec < exact).sum()),
             sidecar_evictions=sc.evictions,
             sidecar_verify_failures=sc.verify_failures,
+            sidecar_segments=segment_stats(sc),
             seconds=secs,
             mask_compare=mask,
         )
@@ -465,6 +505,8 @@ _COLS = (
     ("sc/orc", 7, ">"),
     ("sc-ex16", 8, ">"),
     ("shifted", 8, ">"),
+    ("segs/rq", 7, ">"),
+    ("medseg", 6, ">"),
     ("goal", 5, "<"),
 )
 
@@ -488,12 +530,15 @@ def format_table(results: Sequence[WorkloadResult]) -> str:
             f"{r.sidecar_over_oracle:.3f}",
             f"{r.above_exact_pct:+.1f}pp",
             f"{100.0 * r.sidecar_breakdown['shifted'] / r.tokens:.1f}%",
+            f"{r.sidecar_segments['per_request']:.1f}",
+            f"{r.sidecar_segments['median_tokens']:.0f}",
             goal,
         )
         lines.append(" ".join(f"{str(c):{al}{w}}" for c, (_, w, al) in zip(cells, _COLS)))
     lines.append(
         "sc/orc = sidecar / oracle recovered tokens; sc-ex16 = sidecar minus exact16 (points of prompt"
-        " tokens); shifted = sidecar hits with a different left context; goal: synthetic needs"
+        " tokens); shifted = sidecar hits with a different left context; segs/rq, medseg = hit segments"
+        " (coalesced chunk hits) per request and their median length in tokens; goal: synthetic needs"
         f" sc/orc >= {GOAL_ORACLE_FRACTION} and sidecar >= exact16 on every request; traces (pass*)"
         " only the latter."
     )
@@ -559,6 +604,28 @@ def build_workloads(args: argparse.Namespace, template: ChatTemplate) -> list[Wo
     return out
 
 
+BEFORE_LABEL = "before issue 14 (commit 4a610a9, same settings): per-chunk plans, boundary repair per chunk, no hit extension"
+
+
+def baseline(path: Path) -> dict | None:
+    """The figures to compare with: the ``before`` block of an earlier results file, or (a file
+    written before issue 14) its sidecar figures, kept under ``before`` in the new file."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if "before" in old:
+        return old["before"]
+    return {
+        "label": BEFORE_LABEL,
+        "results": {
+            r["workload"]: {"sidecar_pct": r["pct"]["sidecar"], "sidecar_over_oracle": r["sidecar_over_oracle"],
+                            "sidecar_breakdown": r["sidecar_breakdown"]}
+            for r in old.get("results", [])
+        },
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 24 requests, headers 50/1000, 8 + 3 trajectories")
@@ -611,6 +678,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" {template.tokenizer.collisions}; workloads built in {t_build:.1f}s, total {total:.1f}s"
     )
 
+    before = baseline(args.out)
+    if before:
+        print("\nbefore (" + before["label"] + ") -> now: sidecar % of prompt tokens, sidecar / oracle")
+        for r in results:
+            b = before["results"].get(r.workload)
+            if b:
+                print(f"  {r.workload:32} {b['sidecar_pct']:6.2f}% -> {r.pct('sidecar'):6.2f}%"
+                      f" ({r.pct('sidecar') - b['sidecar_pct']:+.2f}pp)  {b['sidecar_over_oracle']:.4f} ->"
+                      f" {r.sidecar_over_oracle:.4f}")
+
     doc = {
         "benchmark": "recovery (issue 2), observer mode",
         "arms": {
@@ -642,6 +719,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "host": {"python": platform.python_version(), "cpus": os.cpu_count()},
         "results": [r.to_json() for r in results],
     }
+    if before:
+        doc["before"] = before
+    try:
+        kept = json.loads(args.out.read_text()).get("before_committed_file")
+    except (OSError, ValueError):
+        kept = None
+    if kept:
+        doc["before_committed_file"] = kept
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -59,7 +59,7 @@ from sidecar.policy import (  # the Policy SDK: message-list rewrites -> directi
     edit_turn,
 )
 from sidecar.identity import CacheIdentity, KVLayout
-from sidecar.registry.plan import AdmissionPolicy, LookupPlan
+from sidecar.registry.plan import AdmissionPolicy, FetchSpec, LookupPlan
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 from sidecar.wire import AUTH_HEADER, POLICY_TO_WIRE, TENANT_HEADER, identity_to_wire, layout_to_wire, plan_from_wire, rope_to_wire, tokens_to_wire
@@ -235,12 +235,19 @@ def _store_messages(
     return _store_payload_requests(tokens, identity, layout, payloads, register_from, shared, PART_BYTES)
 
 
+def _fetch_item(it: "tuple[int, int] | FetchSpec") -> pb.FetchItem:
+    if isinstance(it, FetchSpec):
+        return pb.FetchItem(chunk_hash=it.chunk_hash, target_pos=it.target_pos, num_tokens=it.num_tokens,
+                            row_offset=it.row_offset, next_hashes=it.next_hashes)
+    return pb.FetchItem(chunk_hash=it[0], target_pos=it[1])
+
+
 def _fetch_request(
-    identity: CacheIdentity, layout: KVLayout, rope: "RopeSpec | None", items: Sequence[tuple[int, int]], raw: bool
+    identity: CacheIdentity, layout: KVLayout, rope: "RopeSpec | None", items: Sequence["tuple[int, int] | FetchSpec"], raw: bool
 ) -> pb.FetchRequest:
     req = pb.FetchRequest(
         identity=identity_to_wire(identity), layout=layout_to_wire(layout), raw=raw,
-        items=[pb.FetchItem(chunk_hash=h, target_pos=p) for h, p in items],
+        items=[_fetch_item(it) for it in items],
     )
     if rope is not None:
         req.rope.CopyFrom(rope_to_wire(rope))
@@ -341,12 +348,16 @@ def parse_fetch_frame(frame: bytes) -> _FetchFrame:
     return out
 
 
+def _item_hash(it: "tuple[int, int] | FetchSpec") -> int:
+    return it.chunk_hash if isinstance(it, FetchSpec) else it[0]
+
+
 class _FetchAssembler:
     """Joins a Fetch response stream into ``FetchedKV`` results, in item order (or, without
     ``items``, a FetchSession stream into ``FetchedRun`` results, in position order); each
     payload is copied once, into a writable buffer the caller owns."""
 
-    def __init__(self, items: Sequence[tuple[int, int]] | None = None) -> None:
+    def __init__(self, items: Sequence["tuple[int, int] | FetchSpec"] | None = None) -> None:
         self.items = items
         self.out: list[Any] = []
         self._first: _FetchFrame | None = None
@@ -374,7 +385,7 @@ class _FetchAssembler:
             else:
                 self.out.append(
                     FetchedKV(
-                        index=f.index, chunk_hash=self.items[f.index][0], ok=f.status == pb.CHUNK_STATUS_OK,
+                        index=f.index, chunk_hash=_item_hash(self.items[f.index]), ok=f.status == pb.CHUNK_STATUS_OK,
                         num_tokens=f.num_tokens, source_pos=f.source_pos, delta=f.delta, rotated=f.rotated,
                         tier=f.tier, data=data,
                     )
@@ -610,7 +621,7 @@ class SidecarClient(_ClientBase):
 
     async def fetch(
         self,
-        items: Sequence[tuple[int, int]],
+        items: Sequence["tuple[int, int] | FetchSpec"],
         *,
         identity: CacheIdentity,
         layout: KVLayout,
@@ -619,8 +630,10 @@ class SidecarClient(_ClientBase):
     ) -> list[FetchedKV]:
         """Fetch chunk KV: ``items`` are ``(chunk_hash, target_pos)`` with ``target_pos`` the
         position of the chunk's first token in the new sequence (``seg.start -
-        seg.chunk_offset``). Results come in item order; misses have ``ok=False``. With
-        ``raw`` the payloads stay at their source position. Idempotent (retried when transient)."""
+        seg.chunk_offset``), or ``FetchSpec`` spans (``plan.fetch_spans()``: one item per hit
+        segment, its KV rows in position order, ``num_tokens`` = the segment's length). Results
+        come in item order; misses have ``ok=False``. With ``raw`` the payloads stay at their
+        source position. Idempotent (retried when transient)."""
         req = _fetch_request(identity, layout, rope, items, raw)
 
         async def run() -> list[FetchedKV]:
@@ -851,7 +864,7 @@ class SyncSidecarClient(_ClientBase):
 
     def fetch(
         self,
-        items: Sequence[tuple[int, int]],
+        items: Sequence["tuple[int, int] | FetchSpec"],
         *,
         identity: CacheIdentity,
         layout: KVLayout,

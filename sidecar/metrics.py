@@ -14,6 +14,8 @@ kv_sidecar_lookups_total{policy,dry_run}        Lookups served
 kv_sidecar_lookup_tokens_total{kind,dry_run}    prompt tokens by kind: prefix | exact |
                                                 shifted | prefill
 kv_sidecar_lookup_seconds                       server-side Lookup latency (histogram)
+kv_sidecar_lookup_hit_segment_tokens            tokens per planned hit segment (histogram;
+                                                coalesced, extended chunk hits)
 kv_sidecar_store_chunks_total{outcome}          chunks registered | refreshed | stored
 kv_sidecar_store_bytes_total, _seconds          KV payload bytes stored; Store latency
 kv_sidecar_fetch_bytes_total, _seconds          KV payload bytes streamed; Fetch latency
@@ -74,6 +76,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_SEGMENT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
 _LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5)
 
 
@@ -193,6 +196,10 @@ class Metrics:
         )
         self.lookup_seconds = Histogram(
             "kv_sidecar_lookup_seconds", "Server-side Lookup latency", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.lookup_hit_segment_tokens = Histogram(
+            "kv_sidecar_lookup_hit_segment_tokens", "Tokens per planned hit segment", buckets=_SEGMENT_BUCKETS,
+            registry=r,
         )
         self.store_chunks = Counter("kv_sidecar_store_chunks", "Chunks seen by Store", ["outcome"], registry=r)
         self.store_bytes = Counter("kv_sidecar_store_bytes", "KV payload bytes stored", registry=r)

@@ -43,8 +43,12 @@ from sidecar import __version__
 from sidecar.config import SidecarConfig
 from sidecar.dataplane import DataPlane
 from sidecar.directives import SessionTable
+from sidecar.fetch_spans import SpanResult, fetch_spans
+from sidecar.fetch_spans import check as check_spans
+from sidecar.fetch_spans import expand as expand_spans
 from sidecar.errors import FailedPrecondition, InvalidArgument, InvariantViolation, SidecarError, status_for
 from sidecar.identity import SHARED_SCOPE
+from sidecar.registry.plan import FetchSpec
 from sidecar.manifest_service import ManifestService
 from sidecar.manifests import Outcome
 from sidecar.metrics import Metrics
@@ -346,6 +350,9 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
         plan = self.index.lookup(query, chunks)
         msg = plan_to_wire(plan)
         self._count_lookup(query, plan.summary)
+        observe = self.metrics.lookup_hit_segment_tokens.observe
+        for t in plan.hit_segment_tokens:
+            observe(t)
         self.metrics.lookup_seconds.observe(time.perf_counter() - t0)
         return msg
 
@@ -553,12 +560,24 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
             rope = rope_from_wire(request.rope) if request.HasField("rope") else None
             if len(request.items) > self.config.max_fetch_items:
                 raise InvalidArgument(f"items: {len(request.items)} exceeds max_fetch_items {self.config.max_fetch_items}")
-            items = [(it.chunk_hash, it.target_pos) for it in request.items]
-            # Item by item (the data plane reads in bounded windows, duplicates once); every
-            # validation error and the max_fetch_bytes refusal come with the first result.
-            results = self.dataplane.fetch_stream(
-                tenant, identity, layout, rope, items, request.raw, self.config.max_fetch_bytes
-            )
+            if any(it.num_tokens or it.next_hashes or it.row_offset for it in request.items):
+                # Span items (one per plan hit segment): expanded to per-chunk items, joined back.
+                specs = [FetchSpec(it.chunk_hash, it.target_pos, it.num_tokens, it.row_offset, tuple(it.next_hashes))
+                         for it in request.items]
+                check_spans(specs)
+                items, groups = expand_spans(specs, self.index.registry.peek)
+                if len(items) > self.config.max_fetch_items:
+                    raise InvalidArgument(f"items: {len(items)} chunks exceed max_fetch_items {self.config.max_fetch_items}")
+                results = fetch_spans(self.dataplane.fetch_stream(
+                    tenant, identity, layout, rope, items, request.raw, self.config.max_fetch_bytes
+                ), groups, layout)
+            else:
+                items = [(it.chunk_hash, it.target_pos) for it in request.items]
+                # Item by item (the data plane reads in bounded windows, duplicates once); every
+                # validation error and the max_fetch_bytes refusal come with the first result.
+                results = self.dataplane.fetch_stream(
+                    tenant, identity, layout, rope, items, request.raw, self.config.max_fetch_bytes
+                )
             r = await anext(results, None)
         except asyncio.CancelledError:
             raise
@@ -573,9 +592,12 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
                 else:
                     mv = memoryview(r.payload.numpy())
                     nbytes += len(mv)
-                    e = r.entry
+                    if isinstance(r, SpanResult):
+                        ntok, src = r.num_tokens, r.source_pos
+                    else:
+                        ntok, src = r.entry.num_tokens, r.entry.source_pos
                     meta = pb.FetchResponse(
-                        index=r.index, status=pb.CHUNK_STATUS_OK, num_tokens=e.num_tokens, source_pos=e.source_pos,
+                        index=r.index, status=pb.CHUNK_STATUS_OK, num_tokens=ntok, source_pos=src,
                         delta=r.delta, rotated=r.rotated, tier=r.tier,
                     )
                     for frame in fetch_frames(meta, mv, part):

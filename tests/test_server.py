@@ -42,13 +42,13 @@ async def test_lookup_store_roundtrip(client, identity, rng):
     assert plan.segments[0].kind is SegmentKind.ENGINE_PREFIX
 
     # Unset guards take the server's defaults (default_recompute_tokens): the first k tokens of
-    # every shifted hit are re-prefilled; an explicit 0 turns the guard off (above).
+    # every hit segment are re-prefilled (the body's chunks continue one stored sequence: one
+    # segment, repaired once at its start); an explicit 0 turns the guard off (above).
     k = DEFAULT_RECOMPUTE_TOKENS
     default = await client.lookup(second, identity=identity, dry_run=True, engine_prefix_len=1)
-    repaired = {h.start - h.chunk_offset: h for h in default.hits()}  # chunk start -> hit
-    assert repaired and all(h.chunk_offset == k for h in repaired.values())
-    assert all(h.start in repaired or h.end - h.start <= k for h in hits)  # only chunks <= k tokens drop out
-    assert default.summary.shifted_tokens == sum(h.end - h.start - k for h in hits if h.start in repaired)
+    assert default.hit_segments().tolist() == [[hits[0].start + k, hits[-1].end]]
+    assert default.hits()[0].chunk_offset == k and all(h.chunk_offset == 0 for h in default.hits()[1:])
+    assert default.summary.shifted_tokens == len(body) - k
 
     # Observed (metadata-only) chunks are counted in observer mode but never served.
     served = await client.lookup(second, identity=identity)

@@ -4,11 +4,11 @@ One request (``Engine.prefill`` / ``Engine.generate``)::
 
     own prefix cache ──> longest reusable prefix h (whole 16-token blocks, at most n - 1)
     Lookup(tokens, engine_prefix_len=h)  ──> segments tiling [0, n)
-    Fetch(every CHUNK_HIT, target = seg.start - seg.chunk_offset)   (one streaming call)
+    Fetch(one span item per hit segment: its chunks, first row, length)   (one streaming call)
     fill the cache in position order:
         ENGINE_PREFIX [0, h)     copy from the own prefix cache entry
-        CHUNK_HIT     [s, e)     payload tokens [chunk_offset:], rotated to s (server, or client
-                                 for raw fetches; never for the naive control)
+        CHUNK_HIT     [s, e)     the segment's payload rows (rows in position order), rotated to
+                                 s (server, or client for raw fetches; never for the naive control)
         PREFILL       [s, e)     model(tokens[s:e], position_ids = s..e-1) attending to the
                                  whole cache so far (reused chunks included)
     the last prompt token is always prefilled (its logits give the first output token)
@@ -38,7 +38,7 @@ import torch
 from sidecar.client import FetchedKV, SyncSidecarClient
 from sidecar.identity import CacheIdentity
 from sidecar.registry.anchors import anchor_token_ids
-from sidecar.registry.plan import Fidelity, LookupPlan, Segment, SegmentKind
+from sidecar.registry.plan import FetchSpec, Fidelity, LookupPlan, Segment, SegmentKind
 from sidecar.rotation import RopeSpec
 from sidecar.v1 import sidecar_pb2 as pb
 
@@ -445,8 +445,9 @@ class Engine:
         fetched: list[FetchedKV] = []
         if hits:
             t0 = clock()
+            # One Fetch item per hit segment (a span of chunks, rows in position order).
             fetched = self.sidecar.fetch(
-                [(s.chunk_hash, s.start - s.chunk_offset) for s in hits], identity=self.identity,
+                _spans(hits), identity=self.identity,
                 layout=self.layout, rope=self.rope, raw=reuse.rotation is not Rotation.SERVER,
             )
             tm.fetch_s = clock() - t0
@@ -572,7 +573,24 @@ class Engine:
             torch.cuda.synchronize(self.device)
 
 
+def _spans(hits: list[Segment]) -> list[FetchSpec]:
+    """One span Fetch item per hit segment: hit rows with contiguous positions and one delta
+    (``LookupPlan.fetch_spans`` over these rows)."""
+    out: list[FetchSpec] = []
+    group: list[Segment] = []
+    for s in [*hits, None]:
+        if s is None or (group and (s.start != group[-1].end or s.delta != group[-1].delta)):
+            g0 = group[0]
+            out.append(FetchSpec(g0.chunk_hash, g0.start, group[-1].end - g0.start, g0.chunk_offset,
+                                 tuple(x.chunk_hash for x in group[1:])))
+            group = []
+        if s is not None:
+            group.append(s)
+    return out
+
+
 def _schedule(segments: list[Segment], fetched: list[FetchedKV], n: int) -> list[Step]:
+    """``fetched``: one result per hit segment (span), in order."""
     """Executable steps in position order: ENGINE_PREFIX is already in the cache, hits that
     missed become prefills, adjacent prefills merge, and the last token is always prefilled."""
     steps: list[Step] = []
@@ -586,13 +604,23 @@ def _schedule(segments: list[Segment], fetched: list[FetchedKV], n: int) -> list
         else:
             steps.append(Step("prefill", s, e))
 
+    f: FetchedKV | None = None
+    span_start = prev_end = prev_delta = -1
     for seg in segments:
         if seg.kind is SegmentKind.ENGINE_PREFIX:
             continue
         if seg.kind is SegmentKind.CHUNK_HIT:
-            f = next(it)
+            if seg.start != prev_end or seg.delta != prev_delta:  # the next hit segment (span)
+                f = next(it)
+                span_start = seg.start
+            prev_end, prev_delta = seg.end, seg.delta
             if f.ok:
-                steps.append(Step("hit", seg.start, seg.end, seg.fidelity, f, seg.chunk_offset))
+                last = steps[-1] if steps else None
+                if (last is not None and last.kind == "hit" and last.fetched is f and last.end == seg.start
+                        and last.fidelity is seg.fidelity):
+                    last.end = seg.end
+                else:
+                    steps.append(Step("hit", seg.start, seg.end, seg.fidelity, f, seg.start - span_start))
                 continue
         add_prefill(seg.start, seg.end)
     last = steps[-1] if steps else None

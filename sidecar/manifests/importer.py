@@ -178,6 +178,7 @@ class ManifestImporter:
             todo.append(e)
         new: dict[int, list[ChunkEntry]] = {}
         store = self.dataplane.store
+        chained: list[tuple[ChunkEntry, int]] = []  # neighbour links, rebuilt from the digests
         if prefetch and todo and Tier.REMOTE in store.tiers:
             for i in range(0, len(todo), PREFETCH_BATCH):
                 batch = todo[i : i + PREFETCH_BATCH]
@@ -192,6 +193,10 @@ class ManifestImporter:
                     res.outcomes[Outcome.PREFETCHED] += 1
                     if self._register(entry):
                         new.setdefault(e.identity, []).append(entry)
+                    live = self._registry.peek(entry.key)
+                    if live is not None:
+                        chained.append((live, next_prefix_digest(e) or 0))
+            self._registry.link(chained)
             await self.dataplane.synced()
         else:
             for e in todo:

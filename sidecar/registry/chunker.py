@@ -117,11 +117,14 @@ class Chunks:
     ``fingerprints``: uint64 ``[n_seeds, n_chunks]``, xxh64(chunk bytes, seed) per seed.
     ``prefix_digests``: uint64 ``[n_chunks]``, digest of every token before chunk ``i``
     (chained over scope-free chunk hashes; equal digests mean identical left context).
+    ``end_digest``: the same digest over the whole sequence (what a chunk after the last one
+    would have as its prefix digest).
     """
 
     bounds: np.ndarray
     fingerprints: np.ndarray
     prefix_digests: np.ndarray
+    end_digest: int = 0
 
     def __len__(self) -> int:
         return len(self.bounds) - 1
@@ -197,7 +200,7 @@ def chunk_tokens_reference(tokens: np.ndarray, config: ChunkerConfig, seeds: Seq
             fps[s, c] = chain_reference(seed, h0)
         prefix[c] = digest
         digest = chain_reference(digest, h0)
-    return Chunks(np.asarray(bounds, dtype=np.int64), fps, prefix)
+    return Chunks(np.asarray(bounds, dtype=np.int64), fps, prefix, digest)
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,7 +411,7 @@ def _digests(tok, bounds, seeds, chain_seed):
             fps[s, c] = _chain(seeds[s], h0)
         prefix[c] = digest
         digest = _chain(digest, h0)
-    return fps, prefix
+    return fps, prefix, digest
 
 
 def chunk_tokens(tokens: np.ndarray, config: ChunkerConfig, seeds: Sequence[int] | np.ndarray, chain_seed: int) -> Chunks:
@@ -423,8 +426,8 @@ def chunk_tokens(tokens: np.ndarray, config: ChunkerConfig, seeds: Sequence[int]
     bounds = _boundaries(
         tok, config._anchors, config._marker_flat, config._marker_offsets, _U(config.mask), config.min_size, config.max_size
     )
-    fps, prefix = _digests(tok, bounds, seed_arr, _U(chain_seed))
-    return Chunks(bounds, fps, prefix)
+    fps, prefix, end = _digests(tok, bounds, seed_arr, _U(chain_seed))
+    return Chunks(bounds, fps, prefix, int(end))
 
 
 def warmup(config: ChunkerConfig | None = None) -> None:

@@ -8,8 +8,12 @@ Lookup (ARCHITECTURE.md, "The request path")::
         entry = own-scope key or shared-scope key       (one C-level map per scope)
         verify stored tokens == prompt tokens            (a 64-bit hash is never trusted alone)
         exact   = same source position and same whole left context (prefix digest)
-        admit by policy: exact | position_independent (+ carve-out, window W, recompute k)
-    emit ENGINE_PREFIX | CHUNK_HIT | PREFILL segments tiling [0, n)
+        admit by policy: exact | position_independent (+ window W)
+        group with the previous hit when it continues the same stored sequence (same delta)
+    shape (``shaping.shape_runs``): coalesce groups into hit segments, extend each segment
+        token by token into its stored neighbours, repair k tokens once per segment start,
+        carve-out, fold segments shorter than registry.min_hit_tokens into the prefill
+    emit ENGINE_PREFIX | CHUNK_HIT (one row per chunk piece) | PREFILL segments tiling [0, n)
 
 A chunk registered by Store is visible to the very next Lookup: registration is synchronous
 on the event loop that also serves lookups.
@@ -34,6 +38,7 @@ from sidecar.registry.plan import (
     SegmentKind,
 )
 from sidecar.registry.registry import ChunkEntry, ChunkHash, EntryState, InMemoryRegistry
+from sidecar.registry.shaping import shape_runs
 
 _HIT = int(SegmentKind.CHUNK_HIT)
 _PREFILL = int(SegmentKind.PREFILL)
@@ -139,9 +144,15 @@ class ChunkIndex:
         k = q.recompute_tokens
         serve_observed = q.dry_run
         resident = EntryState.RESIDENT
-        pos = epl
-        exact_tokens = shifted_tokens = hits = 0
-        touched: list[ChunkEntry] = []
+        cfg = reg.config
+        extend = cfg.extend_hits
+        # Phase 1: admitted chunk hits, one piece per prompt chunk (see ``shaping``), grouped
+        # as they go: a chunk that continues the previous hit's stored sequence joins its group.
+        groups: list[list[list]] = []
+        group: list[list] = []
+        last: ChunkEntry | None = None
+        last_end = -1
+        last_exact = False
         for j in idx:
             entry = cands[j]
             if (entry.scope != scope and entry.scope != SHARED_SCOPE) or (
@@ -153,36 +164,51 @@ class ChunkIndex:
             piece = data[4 * a : 4 * b]
             if entry.tokens != piece and not reg.verify(entry, piece):
                 continue
-            seg = a if a > epl else epl
-            src = entry.source_pos
-            exact = src == a and entry.prefix_digest == prefix[j]
+            exact = entry.source_pos == a and entry.prefix_digest == prefix[j]
             if not exact:
                 if exact_only:
                     continue
                 if window and data[4 * max(0, a - window) : 4 * a] != entry.left_context[-4 * window :]:
                     continue
-                # Carve-out: positions below 32 are never served from a shifted chunk; the first
-                # k tokens of a shifted chunk are re-prefilled (boundary repair).
-                lo = a + k
-                if lo < CARVE_OUT_TOKENS:
-                    lo = CARVE_OUT_TOKENS
-                if lo > seg:
-                    if lo >= b:
-                        continue
-                    seg = lo
-            if seg > pos:
-                rows += (_PREFILL, pos, seg, 0, 0, 0, 0)
-            off = seg - a
-            if exact:
-                rows += (_HIT, seg, b, entry.key, off, src + off, _EXACT)
-                exact_tokens += b - seg
+            if (a == last_end and entry.source_pos == last.source_pos + last.num_tokens and entry.scope == last.scope
+                    and ((exact and last_exact) or (last.next_digest and entry.prefix_digest == last.next_digest))):
+                group.append([a, b, entry, 0, exact, True])
             else:
-                rows += (_HIT, seg, b, entry.key, off, src + off, _APPROX)
-                shifted_tokens += b - seg
-            pos = b
-            hits += 1
-            if not serve_observed:
-                touched.append(entry)
+                seg = a if a > epl else epl
+                group = [[seg, b, entry, seg - a, exact, True]]
+                groups.append(group)
+            last, last_end, last_exact = entry, b, exact
+        runs = shape_runs(
+            groups,
+            q.tokens,
+            epl,
+            n,
+            reg.peek,
+            extend_left_=extend and not exact_only and not window,
+            extend_right_=extend,
+            serve_observed=serve_observed,
+            recompute_tokens=k,
+            min_hit_tokens=cfg.min_hit_tokens,
+        )
+        pos = epl
+        exact_tokens = shifted_tokens = hits = 0
+        seg_tokens: list[int] = []
+        touched: list[ChunkEntry] = []
+        for run in runs:
+            seg_tokens.append(run[-1][1] - run[0][0])
+            for s, e, entry, off, exact, is_chunk in run:
+                if s > pos:
+                    rows += (_PREFILL, pos, s, 0, 0, 0, 0)
+                if exact:
+                    rows += (_HIT, s, e, entry.key, off, entry.source_pos + off, _EXACT)
+                    exact_tokens += e - s
+                else:
+                    rows += (_HIT, s, e, entry.key, off, entry.source_pos + off, _APPROX)
+                    shifted_tokens += e - s
+                pos = e
+                hits += is_chunk
+                if not serve_observed:
+                    touched.append(entry)
         if pos < n:
             rows += (_PREFILL, pos, n, 0, 0, 0, 0)
         for entry in touched:
@@ -192,7 +218,8 @@ class ChunkIndex:
         summary.shifted_tokens = shifted_tokens
         summary.prefill_tokens = n - epl - exact_tokens - shifted_tokens
         return LookupPlan.from_flat(
-            rows, summary=summary, dry_run=q.dry_run, chunk_bounds=bounds[c0:].astype(np.uint32)
+            rows, summary=summary, dry_run=q.dry_run, chunk_bounds=bounds[c0:].astype(np.uint32),
+            hit_segment_tokens=seg_tokens,
         )
 
     # ----------------------------------------------------------------------------- register
@@ -214,11 +241,14 @@ class ChunkIndex:
         keys = chunks.fingerprints[0].tolist()
         prefix = chunks.prefix_digests.tolist()
         ctx = self.registry.config.left_context_tokens
+        last = len(keys) - 1
         out: list[ChunkEntry] = []
         for c, key in enumerate(keys):
             a, b = bounds[c], bounds[c + 1]
             if a < register_from:
                 continue
+            # The last chunk's successor is unknown (the sequence may go on differently); the
+            # prefix digest a successor would have is not.
             out.append(
                 ChunkEntry(
                     key=ChunkHash(key),
@@ -228,6 +258,9 @@ class ChunkIndex:
                     prefix_digest=prefix[c],
                     left_context=data[4 * max(0, a - ctx) : 4 * a] if ctx else b"",
                     state=state,
+                    prev_key=keys[c - 1] if c else 0,
+                    next_key=keys[c + 1] if c < last else 0,
+                    next_digest=prefix[c + 1] if c < last else chunks.end_digest,
                 )
             )
         return out, bounds[-1]

@@ -55,6 +55,20 @@ class Segment:
         return self.end - self.start
 
 
+@dataclass(frozen=True, slots=True)
+class FetchSpec:
+    """One Fetch item. ``num_tokens`` 0: a whole chunk whose FIRST row goes to ``target_pos``
+    (``(chunk_hash, target_pos)``, the original form). ``num_tokens`` > 0: a span (one hit
+    segment): ``num_tokens`` rows from row ``row_offset`` of ``chunk_hash`` on through the
+    chunks ``next_hashes``, the first served row at ``target_pos`` (``LookupPlan.fetch_spans``)."""
+
+    chunk_hash: int
+    target_pos: int
+    num_tokens: int = 0
+    row_offset: int = 0
+    next_hashes: tuple[int, ...] = ()
+
+
 @dataclass(slots=True)
 class LookupSummary:
     total_tokens: int = 0
@@ -91,6 +105,8 @@ class LookupPlan:
     summary: LookupSummary = field(default_factory=LookupSummary)
     dry_run: bool = False
     chunk_bounds: np.ndarray = field(default_factory=lambda: _EMPTY_BOUNDS)
+    #: Server side only (not on the wire): the length of every hit segment the planner built.
+    hit_segment_tokens: list[int] = field(default_factory=list)
 
     @classmethod
     def from_flat(cls, flat: list[int], **kwargs) -> "LookupPlan":
@@ -113,6 +129,44 @@ class LookupPlan:
         for k, s, e, h, o, p, f in self.table.tolist():
             hit = k == SegmentKind.CHUNK_HIT
             out.append(Segment(SegmentKind(k), s, e, h, o, p, s - p if hit else 0, Fidelity(f)))
+        return out
+
+    def hit_segments(self) -> np.ndarray:
+        """``int64 [n, 2]``: ``[start, end)`` of every hit segment: a maximal run of CHUNK_HIT
+        rows with contiguous positions and one delta (the planner coalesces hits that continue
+        one stored sequence into such runs; the rows stay one per chunk)."""
+        t = self.table
+        hit = t[:, SEG_KIND] == SegmentKind.CHUNK_HIT
+        if not hit.any():
+            return np.zeros((0, 2), dtype=np.int64)
+        h = t[hit].astype(np.int64)
+        start, end = h[:, SEG_START], h[:, SEG_END]
+        delta = start - h[:, SEG_SOURCE]
+        new = np.ones(len(h), dtype=bool)
+        new[1:] = (start[1:] != end[:-1]) | (delta[1:] != delta[:-1])
+        first = np.flatnonzero(new)
+        last = np.append(first[1:], len(h)) - 1
+        return np.stack([start[first], end[last]], axis=1)
+
+    def fetch_spans(self) -> list[FetchSpec]:
+        """One Fetch item per hit segment (``hit_segments``): its first row's chunk and offset,
+        the segment's start and length, the other rows' chunks. The answer to item ``i`` is the
+        KV of segment ``i``'s tokens, rows in position order."""
+        t = self.table
+        h = t[t[:, SEG_KIND] == SegmentKind.CHUNK_HIT].astype(np.int64)
+        out: list[FetchSpec] = []
+        if not len(h):
+            return out
+        start, end = h[:, SEG_START], h[:, SEG_END]
+        delta = start - h[:, SEG_SOURCE]
+        new = np.ones(len(h), dtype=bool)
+        new[1:] = (start[1:] != end[:-1]) | (delta[1:] != delta[:-1])
+        first = np.flatnonzero(new).tolist()
+        hashes = t[t[:, SEG_KIND] == SegmentKind.CHUNK_HIT][:, SEG_HASH].tolist()  # uint64, exact
+        bounds = first + [len(h)]
+        for a, b in zip(bounds, bounds[1:]):
+            out.append(FetchSpec(hashes[a], int(start[a]), int(end[b - 1] - start[a]), int(h[a, SEG_OFFSET]),
+                                 tuple(hashes[a + 1 : b])))
         return out
 
     def hits(self) -> list[Segment]:

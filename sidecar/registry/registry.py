@@ -63,6 +63,14 @@ class ChunkEntry:
     last_seen: float = 0.0
     num_tokens: int = 0
     digest: bytes = b""
+    #: Links to the neighbouring chunks of the sequence this entry's canonical copy was computed
+    #: in (same scope; 0 = unknown): the chunk right before it, the chunk right after it, and
+    #: the prefix digest the chunk after it has there (``prefix_digest`` chained over this
+    #: chunk). Lookup follows them to coalesce hits and to extend a hit token by token into its
+    #: stored neighbours (``index.ChunkIndex.lookup``); every use re-checks the neighbour.
+    prev_key: int = 0
+    next_key: int = 0
+    next_digest: int = 0
 
     def __post_init__(self) -> None:
         if not self.num_tokens:
@@ -93,6 +101,13 @@ class RegistryConfig:
     capacity_bytes: int = 1 << 30
     left_context_tokens: int = 128
     scope_share: float = 0.5
+    #: Lookup: a hit segment (adjacent chunk hits continuing one stored sequence at one delta,
+    #: plus their extensions) shorter than this many tokens is folded into the neighbouring
+    #: prefill. 0 keeps every hit.
+    min_hit_tokens: int = 16
+    #: Lookup: extend every hit segment token by token into the stored chunks next to it (same
+    #: stored sequence, same delta), so a hit reaches the true edges of the reused text.
+    extend_hits: bool = True
 
     def __post_init__(self) -> None:
         if self.capacity_entries <= 0:
@@ -103,6 +118,8 @@ class RegistryConfig:
             raise ValueError("registry.capacity_bytes must be positive")
         if self.left_context_tokens < 0:
             raise ValueError("registry.left_context_tokens must be >= 0")
+        if self.min_hit_tokens < 0:
+            raise ValueError("registry.min_hit_tokens must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,15 +212,22 @@ class InMemoryRegistry:
         prefix_digest: int,
         left_context: bytes | None = None,
         digest: bytes | None = None,
+        links: tuple[int, int, int] | None = None,
     ) -> None:
         """Move an entry's canonical copy: where it was computed (``source_pos``,
         ``prefix_digest``), the tokens before it (``left_context``; None keeps them) and the
         second digest (None keeps it). The registry's byte count follows the entry's, if the
         entry is registered; growth is bounded by ``left_context_tokens`` and capacity is
         enforced on the next insert. Registered entries change only through this and
-        ``set_state``: an assignment elsewhere lets ``nbytes`` drift from the entries' sum."""
+        ``set_state``: an assignment elsewhere lets ``nbytes`` drift from the entries' sum.
+        ``links``: the new canonical copy's ``(prev_key, next_key, next_digest)``; None keeps
+        them when the copy stays where it was and forgets them when it moves."""
         registered = self._entries.get(entry.key) is entry
         before = entry.nbytes
+        if links is not None:
+            entry.prev_key, entry.next_key, entry.next_digest = links
+        elif source_pos != entry.source_pos or prefix_digest != entry.prefix_digest:
+            entry.prev_key = entry.next_key = entry.next_digest = 0
         entry.source_pos = source_pos
         entry.prefix_digest = prefix_digest
         if left_context is not None:
@@ -212,6 +236,22 @@ class InMemoryRegistry:
             entry.digest = digest
         if registered:
             self._bytes += entry.nbytes - before
+
+    def link(self, chained: list[tuple[ChunkEntry, int]]) -> None:
+        """Rebuild neighbour links of registered entries that arrive without them (imported
+        from a manifest): ``chained`` holds ``(entry, next_digest)`` pairs; an entry's successor
+        is the one whose prefix digest is its ``next_digest`` and whose source position follows
+        on, in the same scope. Links an entry already has are kept."""
+        by_prefix = {(e.scope, e.prefix_digest): e for e, _ in chained}
+        for e, nxt in chained:
+            if not nxt or e.next_key or self._entries.get(e.key) is not e:
+                continue
+            e.next_digest = nxt
+            succ = by_prefix.get((e.scope, nxt))
+            if succ is not None and succ.source_pos == e.source_pos + e.num_tokens and self._entries.get(succ.key) is succ:
+                e.next_key = succ.key
+                if not succ.prev_key:
+                    succ.prev_key = e.key
 
     def touch(self, entry: ChunkEntry) -> None:
         """Record a served hit: recency and hit count."""
@@ -236,6 +276,10 @@ class InMemoryRegistry:
                 self.stats.verify_failures += 1
                 return False
             old.last_seen = time.time()
+            if (not old.next_key and entry.next_key and old.source_pos == entry.source_pos
+                    and old.prefix_digest == entry.prefix_digest):
+                # the same canonical copy seen with more of its sequence: learn its neighbours
+                old.prev_key, old.next_key, old.next_digest = entry.prev_key, entry.next_key, entry.next_digest
             self._entries.move_to_end(entry.key)
             self._scope_lru[old.scope].move_to_end(entry.key)
             return False

@@ -263,12 +263,18 @@ class StoreResponse(_message.Message):
     def __init__(self, chunks_total: _Optional[int] = ..., chunks_registered: _Optional[int] = ..., chunks_refreshed: _Optional[int] = ..., chunks_observed: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., chunk_bounds: _Optional[bytes] = ...) -> None: ...
 
 class FetchItem(_message.Message):
-    __slots__ = ("chunk_hash", "target_pos")
+    __slots__ = ("chunk_hash", "target_pos", "num_tokens", "row_offset", "next_hashes")
     CHUNK_HASH_FIELD_NUMBER: _ClassVar[int]
     TARGET_POS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROW_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NEXT_HASHES_FIELD_NUMBER: _ClassVar[int]
     chunk_hash: int
     target_pos: int
-    def __init__(self, chunk_hash: _Optional[int] = ..., target_pos: _Optional[int] = ...) -> None: ...
+    num_tokens: int
+    row_offset: int
+    next_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, chunk_hash: _Optional[int] = ..., target_pos: _Optional[int] = ..., num_tokens: _Optional[int] = ..., row_offset: _Optional[int] = ..., next_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("identity", "layout", "rope", "items", "raw")

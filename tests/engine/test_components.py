@@ -138,16 +138,20 @@ def test_adapter_refuses_sliding_window_models():
 # ------------------------------------------------------------------------------ schedule
 
 
-def _hit(s, e, off=0, fid=Fidelity.APPROXIMATE):
-    return Segment(SegmentKind.CHUNK_HIT, s, e, 1, off, 0, 0, fid)
+def _hit(s, e, off=0, fid=Fidelity.APPROXIMATE, delta=0):
+    return Segment(SegmentKind.CHUNK_HIT, s, e, 1, off, s - delta, delta, fid)
 
 
 def test_schedule_prefills_misses_and_the_last_token():
+    # one fetched result per hit segment (span): [40, 60) and [60, 80) differ in delta
     segs = [Segment(SegmentKind.ENGINE_PREFIX, 0, 32), Segment(SegmentKind.PREFILL, 32, 40), _hit(40, 60),
-            _hit(60, 80), Segment(SegmentKind.PREFILL, 80, 90), _hit(90, 100)]
+            _hit(60, 80, delta=5), Segment(SegmentKind.PREFILL, 80, 90), _hit(90, 100)]
     fetched = [FetchedKV(0, 1, True), FetchedKV(1, 1, False), FetchedKV(2, 1, True)]
     steps = [(s.kind, s.start, s.end) for s in _schedule(segs, fetched, 100)]
     assert steps == [("prefill", 32, 40), ("hit", 40, 60), ("prefill", 60, 90), ("hit", 90, 99), ("prefill", 99, 100)]
+    # rows of one span (contiguous, one delta) share its result and become one step
+    joined = _schedule([_hit(40, 60), _hit(60, 70, fid=Fidelity.APPROXIMATE)], [FetchedKV(0, 1, True)], 100)
+    assert [(s.kind, s.start, s.end, s.offset) for s in joined][0] == ("hit", 40, 70, 0)
     one = _schedule([_hit(40, 41)], [FetchedKV(0, 1, True)], 41)
     assert [(s.kind, s.start, s.end) for s in one] == [("prefill", 40, 41)]
 

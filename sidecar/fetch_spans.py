@@ -1,0 +1,132 @@
+"""Span Fetch items: one item per hit segment of a plan (several chunks, part of a chunk).
+
+A plan's hit segment is a run of CHUNK_HIT rows with contiguous positions and one delta
+(``LookupPlan.hit_segments``; the planner coalesces chunks that continue one stored sequence).
+An engine fetches it as ONE item::
+
+    FetchItem(chunk_hash=first row's chunk, target_pos=segment start, row_offset=first row's
+              chunk_offset, num_tokens=segment length, next_hashes=the other rows' chunks)
+
+The server expands a span into the plain per-chunk items the data plane already serves
+(``expand``: each chunk at ``target = its source position + delta``), runs the ordinary Fetch
+(reads, duplicate collapsing, rotation: untouched), and joins the rows of each span back into
+one payload of ``num_tokens`` rows (``join``), in KV-layout order. Plain items (``num_tokens``
+0) pass through unchanged, so old clients see no difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sidecar.dataplane import FetchResult
+from sidecar.errors import InvalidArgument
+from sidecar.identity import KVLayout
+from sidecar.registry.plan import FetchSpec
+from sidecar.registry.registry import ChunkEntry
+from sidecar.tiers.codec import decode_payload, payload_nbytes
+
+
+@dataclass(slots=True)
+class SpanResult:
+    """The answer to one span item: ``payload`` None for a miss (any chunk of it missing)."""
+
+    index: int
+    payload: torch.Tensor | None = None
+    num_tokens: int = 0
+    source_pos: int = 0
+    delta: int = 0
+    rotated: bool = False
+    tier: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    count: int  # plain items it expanded to (0: a span that cannot be served)
+    rows: tuple[tuple[int, int], ...] | None  # rows per chunk (() a miss), None for a plain item
+    num_tokens: int = 0
+    source_pos: int = 0
+
+
+def check(specs: Sequence[FetchSpec]) -> None:
+    for i, s in enumerate(specs):
+        if not s.num_tokens and (s.row_offset or s.next_hashes):
+            raise InvalidArgument(f"items[{i}]: row_offset / next_hashes need num_tokens (a span)")
+
+
+def expand(specs: Sequence[FetchSpec], peek: Callable[[int], ChunkEntry | None]
+           ) -> tuple[list[tuple[int, int]], list[_Group]]:
+    """Plain ``(chunk_hash, target of its first row)`` items for ``specs``, and how to join
+    their results back. A span whose chunks are unknown, do not follow on in their stored
+    sequence, or hold fewer rows than asked is a miss (expands to nothing)."""
+    flat: list[tuple[int, int]] = []
+    groups: list[_Group] = []
+    for s in specs:
+        if not s.num_tokens:
+            flat.append((s.chunk_hash, s.target_pos))
+            groups.append(_Group(1, None))
+            continue
+        entries = [peek(h) for h in (s.chunk_hash, *s.next_hashes)]
+        e0 = entries[0]
+        ok = all(e is not None for e in entries) and s.row_offset < e0.num_tokens
+        if ok:
+            for a, b in zip(entries, entries[1:]):
+                if b.source_pos != a.source_pos + a.num_tokens:
+                    ok = False
+                    break
+        rows: list[tuple[int, int]] = []
+        if ok:
+            left, row = s.num_tokens, s.row_offset
+            for e in entries:
+                if left <= 0:
+                    ok = False  # more chunks than rows
+                    break
+                take = min(e.num_tokens - row, left)
+                rows.append((row, row + take))
+                left -= take
+                row = 0
+            ok = ok and left == 0
+        if not ok:
+            groups.append(_Group(0, ()))
+            continue
+        delta = s.target_pos - (e0.source_pos + s.row_offset)
+        flat.extend((e.key, e.source_pos + delta) for e in entries)
+        groups.append(_Group(len(entries), tuple(rows), s.num_tokens, e0.source_pos + s.row_offset))
+    return flat, groups
+
+
+def join(results: Sequence[FetchResult], rows: Sequence[tuple[int, int]], layout: KVLayout,
+         num_tokens: int) -> torch.Tensor:
+    """One payload of ``num_tokens`` rows: ``rows[i]`` of ``results[i]``'s chunk, in order."""
+    out = torch.empty(payload_nbytes(layout, num_tokens), dtype=torch.uint8)
+    dst = decode_payload(out, layout, num_tokens)
+    srcs = [decode_payload(r.payload, layout, r.entry.num_tokens) for r in results]
+    for p, view in enumerate(dst.parts):
+        pos = 0
+        for src, (a, b) in zip(srcs, rows):
+            view.tensor[pos : pos + b - a].copy_(src.parts[p].tensor[a:b])
+            pos += b - a
+    dst.write_back()
+    return out
+
+
+async def fetch_spans(results: AsyncIterator[FetchResult], groups: Sequence[_Group], layout: KVLayout
+                      ) -> AsyncIterator[FetchResult | SpanResult]:
+    """Regroup the plain results of ``expand``'s items into one result per original item."""
+    for index, g in enumerate(groups):
+        if g.rows is None:
+            r = await anext(results)
+            r.index = index
+            yield r
+            continue
+        got = [await anext(results) for _ in range(g.count)]
+        if not got or any(r.payload is None for r in got):
+            yield SpanResult(index=index)
+            continue
+        first = got[0]
+        yield SpanResult(
+            index=index, payload=join(got, g.rows, layout, g.num_tokens), num_tokens=g.num_tokens,
+            source_pos=g.source_pos, delta=first.delta, rotated=all(r.rotated for r in got), tier=first.tier,
+        )
