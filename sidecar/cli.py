@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import logging
 import signal
@@ -163,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    # `kill -USR1 <pid>` prints every thread's stack to stderr (a stuck call, for a bug report).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     from sidecar.server import new_event_loop
 
     loop = new_event_loop()

@@ -203,10 +203,19 @@ class L2Driver:
             self._pending_lookups[tid] = list(keys)
         return self._wait("lookup", tid, self._lookups, timeout)
 
-    def delete(self, keys: Sequence[ObjectKey]) -> None:
-        """Best-effort delete (the adapter blocks up to 30 s itself)."""
-        if keys:
+    def delete(self, keys: Sequence[ObjectKey], timeout: float | None = None) -> bool:
+        """Delete ``keys`` (best effort). LMCache's adapter blocks up to 30 s on a dead
+        connection, so with ``timeout`` the call runs on a helper thread and is abandoned past
+        it; returns False then (the caller treats the connection as failed)."""
+        if not keys:
+            return True
+        if timeout is None:
             self._adapter.delete(list(keys))
+            return True
+        t = threading.Thread(target=self._adapter.delete, args=(list(keys),), name="kv-sidecar-l2-delete", daemon=True)
+        t.start()
+        t.join(timeout)
+        return not t.is_alive()
 
     def close(self, timeout: float) -> bool:
         """Stop the dispatcher and close the adapter; never blocks past ``timeout``. Waiters of

@@ -76,7 +76,7 @@ class RemoteTier:
             return io
         probe = self._okey(_PROBE_KEY, _PROBE)
         if io.store([probe], [self._probe], self._timeout) and io.exists([probe], self._timeout) == [True]:
-            io.delete([probe])
+            io.delete([probe], self._timeout)
             self._proven = io
             return io
         self._reconnect(io)
@@ -193,13 +193,14 @@ class RemoteTier:
             io = self._live_io()
         except TimeoutError:
             return False
-        io.delete(okeys)
-        left = io.exists(okeys, self._timeout)
-        if left is None or any(left):
+        left = io.exists(okeys, self._timeout) if io.delete(okeys, self._timeout) else None
+        if left is None or any(left):  # desynced (retry once on a fresh connection) or down
             self._reconnect(io)
-            io = self._io
-            io.delete(okeys)
-            left = io.exists(okeys, self._timeout)
+            try:
+                io = self._live_io()
+            except TimeoutError:
+                return False
+            left = io.exists(okeys, self._timeout) if io.delete(okeys, self._timeout) else None
         return left is not None and not any(left)
 
     def close(self, timeout: float) -> bool:

@@ -111,7 +111,9 @@ async def test_redis_killed_and_restarted_under_load(tmp_path, restartable_redis
         # Once Redis is back (and the remote tier's back-off has ended), B finds and Fetches what
         # A stores. Payloads A stored while the remote tier was unusable stay local to A (B gets
         # clean misses for them), so each try stores a new prompt.
-        async with SidecarClient(ta, tenant="t") as ca, SidecarClient(tb, tenant="t") as cb:
+        # A generous deadline: this phase checks recovery, not latency (on a loaded 2-core host one
+        # Store on A has been seen to take over 10 s right after Redis came back).
+        async with SidecarClient(ta, tenant="t", timeout_s=60) as ca, SidecarClient(tb, tenant="t", timeout_s=60) as cb:
             attempt = iter(range(90_000, 91_000))
 
             async def b_fetches_all() -> bool:
