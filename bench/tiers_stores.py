@@ -18,19 +18,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import replace
-from collections import deque
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
 
+from bench.harness import spawn_sidecar, stop_process
 from sidecar.client import RetryPolicy, SidecarClient
 from sidecar.identity import CacheIdentity, KVLayout
 
@@ -45,28 +43,11 @@ NOISE = np.random.default_rng(11).integers(0, 256, 8 << 20, dtype=np.uint8).toby
 def server(root: Path, *flags: str) -> Iterator[tuple[str, int]]:
     """``sidecar.cli serve`` of the checkout at ``root`` in a child process: (target, pid)."""
     python = root / ".venv" / "bin" / "python"
-    cmd = [str(python if python.exists() else sys.executable), "-m", "sidecar.cli", "serve", "--port", "0",
-           "--metrics-port", "-1", "--log-level", "INFO", *SERVER_FLAGS, *flags]
-    proc = subprocess.Popen(cmd, cwd=root, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "LMCACHE_TRACK_USAGE": "false"})
-    lines: deque[str] = deque(maxlen=50)
+    proc, target = spawn_sidecar(*SERVER_FLAGS, *flags, python=str(python) if python.exists() else None, root=root)
     try:
-        while True:
-            line = proc.stderr.readline()
-            lines.append(line)
-            if not line and proc.poll() is not None:
-                raise RuntimeError(f"sidecar at {root} exited: {''.join(lines)}")
-            m = re.search(r"serving \S+ on ([\d.]+):(\d+)", line)
-            if m:
-                break
-        threading.Thread(target=lines.extend, args=(proc.stderr,), daemon=True).start()
-        yield f"{m.group(1)}:{m.group(2)}", proc.pid
+        yield target, proc.pid
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, timeout=15)
 
 
 _INPROC = """

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from bench.harness import stop_process
+
 DEFAULT_IMAGE = "redis:7.4.2-alpine"  # the image deploy/docker-compose.yml runs
 
 
@@ -119,12 +121,7 @@ class RedisProcess:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_process(self.proc, timeout=5)
             self.proc = None
 
 

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import torch
 
-from bench.harness import spawn_sidecar
+from bench.harness import spawn_sidecar, stop_process
 from sidecar.client import RetryPolicy, SidecarClient
 from sidecar.identity import CacheIdentity, KVLayout
 from tests.conftest import ANCHORS, message
@@ -96,12 +96,7 @@ class SidecarProc:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_process(self.proc, timeout=15)
             self.proc = None
 
     def errors(self) -> list[str]:
