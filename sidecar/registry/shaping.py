@@ -31,7 +31,8 @@ sequence at ONE delta::
   a chunk by the prompt position of its FIRST row (``target_pos``, unsigned), so a left
   extension never enters a stored chunk whose first row would land before position 0.
 * **Folding**: after repair and the carve-out (no shifted KV below position 32), a run shorter
-  than ``min_hit_tokens`` is dropped: its tokens are prefilled with the gap around it.
+  than ``min_hit_tokens`` is dropped: its tokens are prefilled with the gap around it (unless it
+  covers the whole request after the engine prefix).
 
 Per piece the plan keeps one row (the wire format is unchanged: a run is a sequence of rows with
 contiguous positions and one delta, ``LookupPlan.hit_segments``), so every client fetches the
@@ -151,6 +152,9 @@ def shape_runs(
     never overlapping each other or the engine prefix, in order."""
     runs: list[list[list]] = []
     k = recompute_tokens
+    # A hit covering everything after the engine prefix is kept however short: folding it would
+    # prefill the whole request (short keys such as SGLang HiCache's 8-token page names).
+    min_hit_tokens = min(min_hit_tokens, n - engine_prefix_len)
 
     def close(run: list[list], edge: int) -> None:
         if not run[0][4]:  # approximate start: boundary repair and the carve-out

@@ -240,3 +240,18 @@ async def test_one_fetch_item_per_hit_segment(rng, sidecar_target):
         assert [m.ok for m in mixed] == [len(s0.next_hashes) < 2, True, True]
         too_long = FetchSpec(s0.chunk_hash, s0.target_pos, s0.num_tokens + 10_000, s0.row_offset, s0.next_hashes)
         assert not (await c.fetch([too_long], identity=IDENT, layout=LAYOUT, rope=SPEC))[0].ok
+
+
+def test_a_hit_covering_the_whole_request_is_never_folded(rng, identity):
+    """An 8-token request stored whole (SGLang HiCache names its pages with 8 tokens) is a hit
+    even though 8 < registry.min_hit_tokens: folding it would prefill the whole request."""
+    from sidecar.registry.chunker import ChunkerConfig
+    from sidecar.registry.index import ChunkIndex, LookupQuery
+    from sidecar.registry.registry import InMemoryRegistry, RegistryConfig
+
+    page = (np.arange(8, dtype=np.uint32) * 7919 + 3) | np.uint32(0x80000000)
+    index = ChunkIndex(ChunkerConfig(anchor_tokens=ANCHORS), InMemoryRegistry(RegistryConfig(min_hit_tokens=16)))
+    index.register(page, page.tobytes(), identity, "t")
+    plan = index.lookup(LookupQuery(tokens=page, data=page.tobytes(), identity=identity, scope="t", dry_run=True))
+    plan.check_tiling(len(page))
+    assert [(s.kind, s.start, s.end) for s in plan.segments] == [(SegmentKind.CHUNK_HIT, 0, 8)]
