@@ -90,10 +90,13 @@ class L2Driver:
             try:
                 for fd, _ in poller.poll(50):
                     consume_fd(fd)
-            except OSError:
-                if self._stop.is_set():
-                    return  # close() closed the adapter (and its eventfds) under a late poll
-                raise
+            except OSError as exc:
+                # The adapter's eventfds were closed under a late poll (by close(), or by the
+                # adapter itself when its connection died): this dispatcher is done; waiters of
+                # its tasks time out and the tier replaces the connection.
+                if not self._stop.is_set():
+                    logger.warning("L2 dispatcher stopped: adapter event fd closed (%s)", exc)
+                return
             try:
                 self._collect()
             except Exception:  # the adapter is closing or broken: waiters time out

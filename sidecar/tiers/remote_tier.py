@@ -65,6 +65,7 @@ class RemoteTier:
         self._io_lock = threading.Lock()
         self._io = self._connect()
         self._proven: L2Driver | None = None  # the connection whose probe succeeded
+        self._prove_lock = threading.Lock()
         self._probe = torch.zeros(8, dtype=torch.uint8)
         self.reconnects = 0
 
@@ -74,11 +75,15 @@ class RemoteTier:
         io = self._io
         if io is self._proven:
             return io
-        probe = self._okey(_PROBE_KEY, _PROBE)
-        if io.store([probe], [self._probe], self._timeout) and io.exists([probe], self._timeout) == [True]:
-            io.delete([probe], self._timeout)
-            self._proven = io
-            return io
+        with self._prove_lock:  # one prover at a time: concurrent probes of one key would race
+            io = self._io
+            if io is self._proven:
+                return io
+            probe = self._okey(_PROBE_KEY, _PROBE)
+            if io.store([probe], [self._probe], self._timeout) and io.exists([probe], self._timeout) == [True]:
+                io.delete([probe], self._timeout)
+                self._proven = io
+                return io
         self._reconnect(io)
         raise TimeoutError("remote tier: Redis not reachable")
 

@@ -100,8 +100,15 @@ class SidecarProc:
             self.proc = None
 
     def errors(self) -> list[str]:
-        """Log lines at ERROR or worse (tracebacks included)."""
-        return [ln for ln in self.log if " ERROR " in ln or " CRITICAL " in ln or "Traceback" in ln]
+        """Log lines at ERROR or worse, and tracebacks (with the 12 lines after each)."""
+        lines = list(self.log)
+        out = []
+        for i, ln in enumerate(lines):
+            if " ERROR " in ln or " CRITICAL " in ln:
+                out.append(ln)
+            elif "Traceback" in ln:
+                out.append("".join(lines[i:i + 12]))
+        return out
 
 
 def base_config(disk: Path, **store: Any) -> dict[str, Any]:

@@ -132,7 +132,7 @@ async def test_redis_killed_and_restarted_under_load(tmp_path, restartable_redis
 
             await _wait(b_fetches_all, "B fetching what A stored after Redis came back")
         for proc in (a, b):
-            assert not proc.errors(), proc.errors()
+            assert not proc.errors(), "\n".join(proc.errors())
     finally:
         stop.set()
         a.stop()
