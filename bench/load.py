@@ -34,11 +34,12 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 
-from bench.harness import RESULTS, machine, sidecar_process, write_results
+from bench.harness import RESULTS, bench_redis, machine, sidecar_process, write_results
 from sidecar.client import RetryPolicy, SidecarClient
 from sidecar.directives import Directive
 from sidecar.identity import CacheIdentity, KVLayout
@@ -51,6 +52,9 @@ DOCS = 48
 #: Random payload bytes; a chunk's payload is a slice (at most 512 tokens x 256 B = 128 KiB).
 NOISE = memoryview(np.random.default_rng(7).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes())
 NOISE_WINDOW = len(NOISE) - 512 * LAYOUT.bytes_per_token
+#: Each client its own TCP connection, as separate engine processes have (gRPC otherwise shares one
+#: connection among channels to one address, and the workers of a supervisor split connections).
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 KINDS = ("Lookup", "Store", "Fetch", "Splice", "CommitSplice")
 SERVER_FLAGS = ("--set", f"chunker.anchor_tokens=[{','.join(map(str, ANCHORS))}]",
                 "--set", "store.cpu_bytes=67108864", "--set", "registry.capacity_entries=20000")
@@ -97,7 +101,8 @@ async def mixed_client(target: str, idx: int, corpus: Corpus, rec: Recorder, dea
     rng = np.random.default_rng(1000 + idx)
     tenant = idx % TENANTS
     per_tok = LAYOUT.bytes_per_token
-    async with SidecarClient(target, tenant=f"tenant-{tenant}", retry=RetryPolicy(attempts=1), timeout_s=60) as c:
+    async with SidecarClient(target, tenant=f"tenant-{tenant}", retry=RetryPolicy(attempts=1), timeout_s=60,
+                             channel_options=OWN_CONNECTION) as c:
         session = await rec.timed("OpenSession", c.open_session(corpus.prompt(rng, tenant)[:512], block_size=16,
                                                                 identity=IDENT))
         it = 0
@@ -127,7 +132,8 @@ async def mixed_client(target: str, idx: int, corpus: Corpus, rec: Recorder, dea
 
 
 async def ping_client(target: str, rec: Recorder, deadline: float) -> None:
-    async with SidecarClient(target, tenant="ping", retry=RetryPolicy(attempts=1), timeout_s=60) as c:
+    async with SidecarClient(target, tenant="ping", retry=RetryPolicy(attempts=1), timeout_s=60,
+                             channel_options=OWN_CONNECTION) as c:
         while time.perf_counter() < deadline:
             await rec.timed("Ping", c.ping())
 
@@ -167,20 +173,44 @@ def _child_pid() -> int:
     raise RuntimeError("sidecar child process not found")
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` so far (all its threads)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _family(pid: int) -> list[int]:
+    """``pid`` and its children (a supervisor's workers)."""
+    out = [pid]
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(p))
+        except OSError:
+            continue
+    return out
+
+
+def _cpu_s(pid: int, children: bool = False) -> float:
+    """User + system CPU seconds of ``pid`` so far (all its threads; with ``children``, its
+    children's too)."""
+    total = 0.0
+    for p in _family(pid) if children else [pid]:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def _rss_mb(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            m = re.search(r"VmRSS:\s+(\d+) kB", f.read())
-    except OSError:
-        return float("nan")
-    return int(m.group(1)) / 1024 if m else float("nan")
+    """Resident MiB of ``pid`` and its children (a supervisor and its workers)."""
+    total = 0
+    for p in _family(pid):
+        try:
+            with open(f"/proc/{p}/status") as f:
+                m = re.search(r"VmRSS:\s+(\d+) kB", f.read())
+        except OSError:
+            continue
+        total += int(m.group(1)) if m else 0
+    return total / 1024 if total else float("nan")
 
 
 class RssSampler(threading.Thread):
@@ -248,6 +278,9 @@ def plot(result: dict, path: Path) -> None:
     xs = [s["clients"] for s in steps]
     ax[0].plot(xs, [s["rpc_per_s"] for s in steps], "o-", label="mix")
     ax[0].plot(xs, [s["ping_rpc_per_s"] for s in steps], "s--", label="Ping (baseline)")
+    for w, sw in result.get("workers", {}).items():
+        if w != "ratios":
+            ax[0].plot(xs, [s["rpc_per_s"] for s in sw["steps"]], "^-", label=f"mix, {w} worker(s) + Redis")
     ax[0].set(xscale="log", xlabel="clients", ylabel="RPC/s", title="throughput")
     ax[0].legend()
     for kind in KINDS:
@@ -262,27 +295,19 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sweep", default="1,4,8,16,32", help="client counts, one step each")
-    ap.add_argument("--clients", type=int, default=None, help="one step with this many clients (overrides --sweep)")
-    ap.add_argument("--step-s", type=float, default=20.0)
-    ap.add_argument("--ping-s", type=float, default=4.0, help="baseline Ping phase before each step")
-    ap.add_argument("--profile", action="store_true", help="also profile the server under cProfile (16 clients)")
-    args = ap.parse_args()
-    counts = [args.clients] if args.clients else [int(x) for x in args.sweep.split(",")]
-    corpus = Corpus()
+def sweep(flags: tuple[str, ...], counts: list[int], args: argparse.Namespace, corpus: Corpus) -> dict:
+    """One server configuration stepped over ``counts`` clients: steps, RSS samples, knee."""
     steps = []
-    with sidecar_process(*SERVER_FLAGS) as target:
+    with sidecar_process(*flags) as target:
         pid = _child_pid()
         t0 = time.perf_counter()
         sampler = RssSampler(pid, t0)
         sampler.start()
         for n in counts:
-            cpu0, ccpu0, wall0 = _cpu_s(pid), _cpu_s(os.getpid()), time.perf_counter()
+            cpu0, ccpu0, wall0 = _cpu_s(pid, True), _cpu_s(os.getpid()), time.perf_counter()
             s = asyncio.run(run_step(target, n, args.step_s, corpus, args.ping_s))
-            # Server cores busy over the step (Ping phase included): ~1.0 = its event loop saturated.
-            s["server_cores"] = (_cpu_s(pid) - cpu0) / (time.perf_counter() - wall0)
+            # Server cores busy over the step (Ping phase included): ~1.0 = one event loop saturated.
+            s["server_cores"] = (_cpu_s(pid, True) - cpu0) / (time.perf_counter() - wall0)
             s["client_cores"] = (_cpu_s(os.getpid()) - ccpu0) / (time.perf_counter() - wall0)
             s["rss_mb_end"] = _rss_mb(pid)
             s["t_end_s"] = time.perf_counter() - t0
@@ -296,11 +321,14 @@ def main() -> None:
         sampler.join()
     rss = sampler.samples
     warm = [r for t, r in rss if t >= steps[0]["t_end_s"]] if len(steps) > 1 else [r for _, r in rss]
-    result = {"machine": machine(), "step_s": args.step_s, "server_flags": list(SERVER_FLAGS), "steps": steps,
-              "knee_clients": knee(steps), "rss_mb": rss,
-              "rss_after_warmup_mb": {"first": warm[0] if warm else None, "max": max(warm) if warm else None,
-                                      "last": warm[-1] if warm else None}}
-    print()
+    return {"server_flags": list(flags), "steps": steps, "knee_clients": knee(steps), "rss_mb": rss,
+            "rss_after_warmup_mb": {"first": warm[0] if warm else None, "max": max(warm) if warm else None,
+                                    "last": warm[-1] if warm else None}}
+
+
+def report(name: str, result: dict) -> None:
+    steps = result["steps"]
+    print(f"\n{name}")
     print(f"{'clients':>7} {'RPC/s':>7} {'x Ping':>7} " + " ".join(f"{k + ' p50/p99 ms':>24}" for k in KINDS[:4])
           + f" {'errors':>6}")
     for s in steps:
@@ -318,6 +346,26 @@ def main() -> None:
     for s in steps:
         if s["first_errors"]:
             print(f"errors at {s['clients']} clients: {s['first_errors']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", default="1,4,8,16,32", help="client counts, one step each")
+    ap.add_argument("--clients", type=int, default=None, help="one step with this many clients (overrides --sweep)")
+    ap.add_argument("--step-s", type=float, default=20.0)
+    ap.add_argument("--ping-s", type=float, default=4.0, help="baseline Ping phase before each step")
+    ap.add_argument("--profile", action="store_true", help="also profile the server under cProfile (16 clients)")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="N > 1: also sweep 1 worker and N workers (a supervisor, one port) with the shared "
+                    "registry and remote tier on a Redis this bench starts (REDIS_URL: that one instead)")
+    args = ap.parse_args()
+    counts = [args.clients] if args.clients else [int(x) for x in args.sweep.split(",")]
+    corpus = Corpus()
+    print("embedded defaults (one process, no Redis)")
+    result = {"machine": machine(), "step_s": args.step_s, **sweep(SERVER_FLAGS, counts, args, corpus)}
+    report("embedded defaults (one process, no Redis)", result)
+    if args.workers > 1:
+        result["workers"] = compare_workers(args.workers, counts, args, corpus, result["steps"])
     if args.profile:
         text = profile_step(16, args.step_s, corpus)
         result["profile"] = "bench/results/load_profile.txt"
@@ -325,6 +373,31 @@ def main() -> None:
     path = write_results("load", result)
     plot(result, RESULTS / "load.png")
     print(f"wrote {path} and {RESULTS / 'load.png'}")
+
+
+def compare_workers(n: int, counts: list[int], args: argparse.Namespace, corpus: Corpus, embedded: list[dict]) -> dict:
+    """1 worker and ``n`` workers, both with the shared registry and the remote tier on one Redis
+    (the configuration ``workers`` needs), swept in this run; throughput ratios per step."""
+    out: dict = {}
+    with ExitStack() as stack:
+        url = bench_redis(stack)
+        for w in (1, n):
+            flags = (*SERVER_FLAGS, "--set", f"shared_registry.redis_url={url}", "--set", f"shared_registry.key_prefix=load{w}",
+                     "--set", f"store.remote_url={url}", "--set", f"store.remote_bytes={256 << 20}",
+                     "--set", f"store.namespace=load{w}", "--set", f"workers={w}")
+            name = f"{w} worker{'s' if w > 1 else ''}, shared registry + remote tier on Redis"
+            print(name)
+            out[str(w)] = sweep(flags, counts, args, corpus)
+            report(name, out[str(w)])
+    ratios = []
+    for e, one, many in zip(embedded, out["1"]["steps"], out[str(n)]["steps"], strict=True):
+        ratios.append({"clients": e["clients"], "vs_one_worker": many["rpc_per_s"] / one["rpc_per_s"],
+                       "vs_embedded": many["rpc_per_s"] / e["rpc_per_s"]})
+    print(f"\n{n} workers, throughput ratios (same run): "
+          + ", ".join(f"{r['clients']} clients {r['vs_one_worker']:.2f}x one worker / {r['vs_embedded']:.2f}x embedded"
+                      for r in ratios))
+    out["ratios"] = ratios
+    return out
 
 
 if __name__ == "__main__":

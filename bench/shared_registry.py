@@ -32,21 +32,13 @@ import grpc
 import numpy as np
 import redis
 
-from bench.harness import machine, pct, sidecar_process, time_calls, write_results
+from bench.harness import bench_redis, machine, pct, sidecar_process, time_calls, write_results
 from bench.lookup import ANCHORS, conversation
 from sidecar.client import SyncSidecarClient
 from sidecar.identity import CacheIdentity
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 from sidecar.wire import identity_to_wire, plan_from_wire
-
-
-def _redis(stack: ExitStack) -> str:
-    if url := os.environ.get("REDIS_URL"):
-        return url
-    from tests.redis_server import local_server
-
-    return stack.enter_context(local_server(Path(stack.enter_context(tempfile.TemporaryDirectory()))))
 
 
 def main() -> None:
@@ -63,7 +55,7 @@ def main() -> None:
     prefix = f"b{uuid.uuid4().hex[:8]}"
     results = {"machine": machine(), "reps": args.reps, "cold_tenants": args.cold_tenants, "sizes": {}}
     with ExitStack() as stack:
-        url = _redis(stack)
+        url = bench_redis(stack)
         r = redis.Redis.from_url(url)
         base = ("--set", f"chunker.anchor_tokens={anchors}")
         shared = (*base, "--set", f"shared_registry.redis_url={url}", "--set", f"shared_registry.key_prefix={prefix}",

@@ -14,10 +14,11 @@ import argparse
 import os
 import subprocess
 import sys
-import tempfile
 import uuid
 from contextlib import ExitStack
 from pathlib import Path
+
+from bench.harness import bench_redis
 
 _ARM = """
 import os, sys, time
@@ -54,11 +55,7 @@ def arm(root: Path, url: str, chunks: int, nbytes: int) -> tuple[float, float]:
 
 def run(roots: dict[str, Path], chunks: int = 64, nbytes: int = 1 << 20, rounds: int = 3) -> dict:
     with ExitStack() as stack:
-        url = os.environ.get("REDIS_URL")
-        if not url:
-            from tests.redis_server import local_server
-
-            url = stack.enter_context(local_server(Path(stack.enter_context(tempfile.TemporaryDirectory()))))
+        url = bench_redis(stack)
         got: dict[str, list[tuple[float, float]]] = {a: [] for a in roots}
         for r in range(rounds):
             for name, root in roots.items():

@@ -161,9 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         print(yaml.safe_dump(json.loads(json.dumps(to_dict(config))), sort_keys=False), end="")
         return 0
+    worker = f"[worker {config.worker_index}] " if config.worker_index >= 0 else ""
     logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=config.log_level.upper(), format=f"%(asctime)s %(levelname)s {worker}%(name)s: %(message)s",
+        stream=sys.stderr,
     )
+    if config.workers > 1 and config.worker_index < 0:
+        from sidecar.workers import Supervisor
+
+        return Supervisor(config, sys.argv[1:] if argv is None else argv).run()
     # `kill -USR1 <pid>` prints every thread's stack to stderr (a stuck call, for a bug report).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     from sidecar.server import new_event_loop

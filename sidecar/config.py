@@ -184,6 +184,12 @@ class SidecarConfig:
     #: whole, before anything is read (RESOURCE_EXHAUSTED naming ``max_fetch_bytes``)
     max_fetch_bytes: int = 1 << 30
     fetch_part_bytes: int = 4 << 20
+    #: gRPC server processes sharing ``port`` (SO_REUSEPORT), each with its own event loop, local
+    #: registry and tiers; more than one needs the shared registry and the remote tier, through
+    #: which the workers find and Fetch each other's chunks (docs/operations.md, "Workers").
+    workers: int = 1
+    #: set by the supervisor on each worker process it starts (-1: not a worker)
+    worker_index: int = -1
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -204,6 +210,21 @@ class SidecarConfig:
         if not 0 <= self.default_recompute_tokens <= self.chunker.max_size:
             raise ValueError(f"default_recompute_tokens must be in [0, chunker.max_size={self.chunker.max_size}]")
         self.limits.check(store=self.store, forget_tenants=self.directives.forget_tenants)
+        self._check_workers()
+
+    def _check_workers(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if not -1 <= self.worker_index < self.workers:
+            raise ValueError(f"worker_index must be in [-1, workers={self.workers}), got {self.worker_index}")
+        if self.workers == 1:
+            return
+        if not self.shared_registry.enabled:
+            raise ValueError(f"workers: {self.workers} workers need shared_registry.redis_url (each worker has its "
+                             "own registry; they find each other's chunks through the shared registry)")
+        if not (self.store.remote_url and self.store.remote_bytes > 0 and self.shared_registry.publish_payloads):
+            raise ValueError(f"workers: {self.workers} workers need store.remote_url and store.remote_bytes > 0 with "
+                             "shared_registry.publish_payloads (workers Fetch each other's KV from the remote tier)")
 
     @property
     def authenticated(self) -> bool:

@@ -926,7 +926,9 @@ class SidecarServer:
         opts = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
-            ("grpc.so_reuseport", 0),
+            # Off, so a second sidecar on a taken port fails to bind instead of silently taking
+            # half the connections; on for the workers of one supervisor, which share the port.
+            ("grpc.so_reuseport", int(config.worker_index >= 0)),
         ]
         self.grpc = grpc.aio.server(options=opts)
         _add_servicer(self.servicer, self.grpc)
@@ -1003,6 +1005,8 @@ class SidecarServer:
         assert shared is not None
         if not shared.sidecar_id:
             shared.sidecar_id = f"{socket.gethostname()}:{self.port}"
+            if self.config.worker_index >= 0:
+                shared.sidecar_id += f"/w{self.config.worker_index}"
         loop = asyncio.get_running_loop()
 
         def on_health(up: bool) -> None:  # any thread

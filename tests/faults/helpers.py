@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,14 @@ class SidecarProc:
         if self.proc is not None:
             stop_process(self.proc, timeout=15)
             self.proc = None
+
+    def dump_stacks(self) -> str:
+        """Every thread's stack (``kill -USR1``, see ``sidecar.cli``) and the log before it."""
+        if self.proc is None:
+            return ""
+        self.proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        return "".join(self.log)
 
     def errors(self) -> list[str]:
         """Log lines at ERROR or worse, and tracebacks (with the 12 lines after each)."""
