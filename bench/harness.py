@@ -78,6 +78,19 @@ def sidecar_process(*flags: str, env: dict[str, str] | None = None, python: str 
         stop_process(proc)
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a supervisor's workers), from /proc."""
+    out = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(p))
+        except OSError:
+            continue
+    return out
+
+
 def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     """SIGTERM (a graceful stop), then SIGKILL if ``proc`` has not exited within ``timeout``."""
     proc.terminate()

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import RESULTS, bench_redis, machine, sidecar_process, write_results
+from bench.harness import RESULTS, bench_redis, child_pids, machine, sidecar_process, write_results
 from sidecar.client import RetryPolicy, SidecarClient
 from sidecar.directives import Directive
 from sidecar.identity import CacheIdentity, KVLayout
@@ -175,15 +175,7 @@ def _child_pid() -> int:
 
 def _family(pid: int) -> list[int]:
     """``pid`` and its children (a supervisor's workers)."""
-    out = [pid]
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(p))
-        except OSError:
-            continue
-    return out
+    return [pid, *child_pids(pid)]
 
 
 def _cpu_s(pid: int, children: bool = False) -> float:

@@ -21,7 +21,7 @@ from collections import deque
 
 import pytest
 
-from bench.harness import spawn_sidecar, stop_process
+from bench.harness import child_pids, spawn_sidecar, stop_process
 from sidecar.client import SidecarClient
 from sidecar.config import load_config
 from tests.faults.helpers import IDENT, LAYOUT, payloads, prompt, store_prompt
@@ -54,15 +54,7 @@ def test_cli_refuses_workers_without_shared_registry() -> None:
 
 
 def _children(pid: int) -> set[int]:
-    out = set()
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.add(int(p))
-        except OSError:
-            continue
-    return out
+    return set(child_pids(pid))
 
 
 def _stores_ok(metrics_port: int) -> float:
