@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import spawn_sidecar, stop_process
+from bench.harness import bench_redis, spawn_sidecar, stop_process
 from sidecar.client import RetryPolicy, SidecarClient
 from sidecar.identity import CacheIdentity, KVLayout
 
@@ -129,7 +129,10 @@ async def _prepare(c: SidecarClient, rng: np.random.Generator, n: int) -> list[t
 async def _client(target: str, idx: int, seconds: float, seed: int) -> tuple[int, int]:
     """Stores for ``seconds``: (calls, payload bytes)."""
     rng = np.random.default_rng(seed * 1000 + idx)
-    async with SidecarClient(target, tenant=f"t{idx}", retry=RetryPolicy(attempts=1), timeout_s=120) as c:
+    # Own TCP connection per client (as separate engine processes have), so a supervisor's
+    # workers share the clients; gRPC otherwise multiplexes every channel to one address on one.
+    async with SidecarClient(target, tenant=f"t{idx}", retry=RetryPolicy(attempts=1), timeout_s=120,
+                             channel_options=[("grpc.use_local_subchannel_pool", 1)]) as c:
         prepared = await _prepare(c, rng, 24)
         await c.store(prepared[0][0], identity=IDENT, layout=LAYOUT, payloads=prepared[0][1])  # warm the channel
         calls = nbytes = 0
@@ -157,11 +160,21 @@ async def measure(target: str, clients: int, seconds: float, seed: int) -> dict:
             "stores_s": calls / seconds, "wall_s": wall}
 
 
-def run(roots: dict[str, Path], clients: list[int], seconds: float, rounds: int) -> dict:
-    """Throughput per (arm, clients), interleaved round by round; the best round is kept."""
+def run(roots: dict[str, Path], clients: list[int], seconds: float, rounds: int, workers: int = 1) -> dict:
+    """Throughput per (arm, clients), interleaved round by round; the best round is kept.
+    ``workers`` > 1 adds an arm: this checkout with that many worker processes on one port,
+    the shared registry and the remote tier on a Redis (docs/operations.md, "Workers")."""
     results: dict[str, dict[int, list[dict]]] = {arm: {n: [] for n in clients} for arm in roots}
     with ExitStack() as stack:
         targets = {arm: stack.enter_context(server(root))[0] for arm, root in roots.items()}
+        if workers > 1:
+            url = bench_redis(stack)
+            arm = f"workers{workers}"
+            targets[arm] = stack.enter_context(server(
+                Path(__file__).resolve().parents[1], "--set", f"workers={workers}",
+                "--set", f"shared_registry.redis_url={url}", "--set", f"store.remote_url={url}",
+                "--set", f"store.remote_bytes={1 << 30}"))[0]
+            results[arm] = {n: [] for n in clients}
         for r in range(rounds):
             for n in clients:
                 for arm, target in targets.items():
@@ -171,7 +184,7 @@ def run(roots: dict[str, Path], clients: list[int], seconds: float, rounds: int)
                           flush=True)
     out: dict = {"prompt_tokens": PROMPT_TOKENS, "bytes_per_token": LAYOUT.bytes_per_token,
                  "seconds": seconds, "rounds": rounds, "server_flags": list(SERVER_FLAGS), "arms": {}}
-    for arm in roots:
+    for arm in results:
         best = {n: max(rows, key=lambda x: x["mib_s"]) for n, rows in results[arm].items()}
         arm_out = {"by_clients": {str(n): b for n, b in best.items()},
                    "all_rounds_mib_s": {str(n): [x["mib_s"] for x in rows] for n, rows in results[arm].items()}}
@@ -188,11 +201,12 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--baseline", default=None, help="another checkout whose server runs as the 'before' arm")
+    ap.add_argument("--workers", type=int, default=1, help="N > 1: also an arm with N worker processes (Redis)")
     args = ap.parse_args()
     roots = {"after": Path(__file__).resolve().parents[1]}
     if args.baseline:
         roots = {"before": Path(args.baseline), **roots}
-    out = run(roots, [int(c) for c in args.clients.split(",")], args.seconds, args.rounds)
+    out = run(roots, [int(c) for c in args.clients.split(",")], args.seconds, args.rounds, args.workers)
     for arm, a in out["arms"].items():
         print(arm, {k: round(v, 2) for k, v in a.items() if k.startswith("speedup")},
               {n: round(b["mib_s"], 1) for n, b in a["by_clients"].items()})
