@@ -1,6 +1,7 @@
 """Lookup round-trip latency vs an empty unary RPC on the same server, measured in one run.
 
     ./dev bench lookup            # 1K / 8K / 32K-token prompts; budget: 32K Lookup <= 2x empty RTT
+    ./dev bench lookup --breakdown  # where a Lookup's server time goes, in process (no gRPC)
 
 The sidecar runs in its own process (as deployed). For each size the registry holds an earlier
 prompt whose body the measured prompt shifts (a new agent header), so the Lookup does the full
@@ -37,12 +38,66 @@ def conversation(rng: np.random.Generator, n: int) -> np.ndarray:
     return np.concatenate(parts).astype(np.uint32)[:n]
 
 
+def breakdown(sizes: list[int], reps: int) -> dict:
+    """The server-side phases of the same Lookups, in this process (a ``ServerThread``'s
+    servicer, no gRPC): request decoding, chunking + fingerprints, planning, the plan message
+    and its encoding. Minimum and median microseconds over ``reps`` after warm-up."""
+    import time
+
+    from sidecar.config import load_config
+    from sidecar.server import ServerThread
+    from sidecar.wire import plan_to_wire
+
+    phases = ("decode", "chunk", "plan", "to_wire", "serialize")
+    cfg = load_config(None, env={}, overrides={"port": 0, "metrics_port": -1, "chunker.anchor_tokens": list(ANCHORS)})
+    rng = np.random.default_rng(0)
+    ident = CacheIdentity(model_id="bench")
+    out = {}
+    with ServerThread(cfg) as st, SyncSidecarClient(st.target, tenant="bench") as client:
+        sv = st.server.servicer
+        for n in sizes:
+            body = conversation(rng, n - 64)
+            old = np.concatenate([[ANCHORS[1]], rng.integers(0, 150_000, 40), body]).astype(np.uint32)
+            new = np.concatenate([[ANCHORS[1]], rng.integers(0, 150_000, 62), body]).astype(np.uint32)
+            client.store(old, identity=ident)
+            req = pb.LookupRequest(tokens=new.tobytes(), identity=identity_to_wire(ident), dry_run=True,
+                                   engine_prefix_len=1)
+
+            def once() -> list[float]:
+                t = [time.perf_counter()]
+                q = sv._lookup_query(req, "bench")
+                t.append(time.perf_counter())
+                chunks = sv.index.chunk(q.tokens, q.identity, (q.scope,))
+                t.append(time.perf_counter())
+                plan = sv.index.lookup(q, chunks)
+                t.append(time.perf_counter())
+                msg = plan_to_wire(plan)
+                t.append(time.perf_counter())
+                msg.SerializeToString()
+                t.append(time.perf_counter())
+                return np.diff(t).tolist()
+
+            for _ in range(min(200, reps)):
+                once()
+            a = np.array([once() for _ in range(reps)]) * 1e6
+            row = {p: {"min_us": float(a[:, i].min()), "p50_us": float(np.median(a[:, i]))} for i, p in enumerate(phases)}
+            out[str(n)] = row
+            print(f"{n:>6} tokens, us min / p50: " + ", ".join(f"{p} {row[p]['min_us']:.0f} / {row[p]['p50_us']:.0f}"
+                                                             for p in phases))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sizes", default="1024,8192,32768")
     ap.add_argument("--reps", type=int, default=2000)
+    ap.add_argument("--breakdown", action="store_true", help="only the in-process phase breakdown (lookup_breakdown.json)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    if args.breakdown:
+        result = {"machine": machine(), "reps": args.reps, "sizes": breakdown(sizes, args.reps)}
+        print(f"results: {write_results('lookup_breakdown', result)}")
+        return
     rng = np.random.default_rng(0)
     ident = CacheIdentity(model_id="bench")
     wire_ident = identity_to_wire(ident)
