@@ -19,6 +19,10 @@ from typing import Any
 import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: Channel options giving a client its own TCP connection, as separate engine processes have:
+#: gRPC otherwise shares one connection among channels to one address, and the kernel spreads
+#: a supervisor's workers over connections (docs/operations.md, "Workers").
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 
 
 def spawn_sidecar(*flags: str, env: dict[str, str] | None = None, python: str | None = None,

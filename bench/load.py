@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import RESULTS, bench_redis, child_pids, machine, sidecar_process, write_results
+from bench.harness import OWN_CONNECTION, RESULTS, bench_redis, child_pids, machine, sidecar_process, write_results
 from sidecar.client import RetryPolicy, SidecarClient
 from sidecar.directives import Directive
 from sidecar.identity import CacheIdentity, KVLayout
@@ -52,9 +52,6 @@ DOCS = 48
 #: Random payload bytes; a chunk's payload is a slice (at most 512 tokens x 256 B = 128 KiB).
 NOISE = memoryview(np.random.default_rng(7).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes())
 NOISE_WINDOW = len(NOISE) - 512 * LAYOUT.bytes_per_token
-#: Each client its own TCP connection, as separate engine processes have (gRPC otherwise shares one
-#: connection among channels to one address, and the workers of a supervisor split connections).
-OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 KINDS = ("Lookup", "Store", "Fetch", "Splice", "CommitSplice")
 SERVER_FLAGS = ("--set", f"chunker.anchor_tokens=[{','.join(map(str, ANCHORS))}]",
                 "--set", "store.cpu_bytes=67108864", "--set", "registry.capacity_entries=20000")
@@ -159,17 +156,13 @@ async def run_step(target: str, clients: int, seconds: float, corpus: Corpus, pi
 
 
 def _child_pid() -> int:
-    me = str(os.getpid())
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in child_pids(os.getpid()):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = f.read().rsplit(")", 1)[1].split()[1]
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
+                if b"sidecar.cli" in f.read():
+                    return pid
         except OSError:
             continue
-        if ppid == me and b"sidecar.cli" in cmd:
-            return int(pid)
     raise RuntimeError("sidecar child process not found")
 
 

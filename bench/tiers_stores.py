@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import bench_redis, spawn_sidecar, stop_process
+from bench.harness import OWN_CONNECTION, bench_redis, spawn_sidecar, stop_process
 from sidecar.client import RetryPolicy, SidecarClient
 from sidecar.identity import CacheIdentity, KVLayout
 
@@ -129,10 +129,8 @@ async def _prepare(c: SidecarClient, rng: np.random.Generator, n: int) -> list[t
 async def _client(target: str, idx: int, seconds: float, seed: int) -> tuple[int, int]:
     """Stores for ``seconds``: (calls, payload bytes)."""
     rng = np.random.default_rng(seed * 1000 + idx)
-    # Own TCP connection per client (as separate engine processes have), so a supervisor's
-    # workers share the clients; gRPC otherwise multiplexes every channel to one address on one.
     async with SidecarClient(target, tenant=f"t{idx}", retry=RetryPolicy(attempts=1), timeout_s=120,
-                             channel_options=[("grpc.use_local_subchannel_pool", 1)]) as c:
+                             channel_options=OWN_CONNECTION) as c:
         prepared = await _prepare(c, rng, 24)
         await c.store(prepared[0][0], identity=IDENT, layout=LAYOUT, payloads=prepared[0][1])  # warm the channel
         calls = nbytes = 0

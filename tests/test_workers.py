@@ -21,7 +21,7 @@ from collections import deque
 
 import pytest
 
-from bench.harness import child_pids, spawn_sidecar, stop_process
+from bench.harness import OWN_CONNECTION, child_pids, spawn_sidecar, stop_process
 from sidecar.client import SidecarClient
 from sidecar.config import load_config
 from tests.faults.helpers import IDENT, LAYOUT, payloads, prompt, store_prompt
@@ -67,10 +67,7 @@ def _stores_ok(metrics_port: int) -> float:
 
 async def _everyone_reads_everything(targets: list[str]) -> None:
     """Each channel stores its own prompt; then every channel finds and Fetches every prompt."""
-    # Own connections (gRPC shares one TCP connection among channels to one address by default),
-    # as separate engine processes would have.
-    clients = [SidecarClient(t, tenant="t", timeout_s=60, channel_options=[("grpc.use_local_subchannel_pool", 1)])
-               for t in targets]
+    clients = [SidecarClient(t, tenant="t", timeout_s=60, channel_options=OWN_CONNECTION) for t in targets]
     try:
         for k, c in enumerate(clients):
             assert await store_prompt(c, k) > 0

@@ -137,9 +137,13 @@ class Supervisor:
         for w in self.workers:
             while not w.ready.wait(0.1):
                 assert w.proc is not None
-                if w.proc.poll() is not None or self._stop.is_set() or time.monotonic() > deadline:
-                    if w.proc.poll() is not None:
-                        logger.error("worker %d exited with %s before serving; stopping", w.index, w.proc.returncode)
+                if w.proc.poll() is not None:
+                    logger.error("worker %d exited with %s before serving; stopping", w.index, w.proc.returncode)
+                    return False
+                if time.monotonic() > deadline:
+                    logger.error("worker %d not serving after %.0f s; stopping", w.index, READY_TIMEOUT_S)
+                    return False
+                if self._stop.is_set():
                     return False
         return True
 
