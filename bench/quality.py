@@ -24,7 +24,8 @@ this tokenizer, and the benchmark must prefill every prompt several times per ar
 
 Arms (``clients.transformers.fidelity.SWEEP_ARMS``): full prefill (the reference), the engine's
 exact-prefix cache, the sidecar's ``exact`` policy, position-independent reuse with
-``recompute_tokens`` k in {0, 4, 8, 16, 32}, with the left-context window W=32, and naive reuse
+``recompute_tokens`` k in {0, 4, 8, 16, 32} (repaired at every stored chunk's start; k = 4 also
+once per hit segment), with the left-context window W=32, and naive reuse
 without rotation (the control). Per arm and question prompt, over the full-prefill greedy
 continuation of ``--new-tokens`` (32) teacher-forced tokens: mean / max KL(p_full || p_arm),
 argmax agreement, first divergence, and answer agreement (the arm's greedy answer up to the
@@ -397,7 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "scenarios": [{"name": s.name, "description": s.description, "warm_requests": len(s.warm),
                        "prompt_tokens": [int(len(t)) for t in s.targets]} for s in scenarios],
         "arms": {name: {"admission": pol.admission, "prefix_cache": pol.prefix_cache, "sidecar": pol.sidecar,
-                        "recompute_tokens": pol.recompute_tokens, "left_context_window": pol.left_context_window,
+                        "recompute_tokens": pol.recompute_tokens, "repair_scope": pol.repair_scope,
+                        "left_context_window": pol.left_context_window,
                         "rotation": pol.rotation.value} for name, pol in SWEEP_ARMS.items()},
         "aggregate": agg,
         "per_scenario": per_scenario,

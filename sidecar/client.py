@@ -59,10 +59,10 @@ from sidecar.policy import (  # the Policy SDK: message-list rewrites -> directi
     edit_turn,
 )
 from sidecar.identity import CacheIdentity, KVLayout
-from sidecar.registry.plan import AdmissionPolicy, FetchSpec, LookupPlan
+from sidecar.registry.plan import AdmissionPolicy, FetchSpec, LookupPlan, RepairScope
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
-from sidecar.wire import AUTH_HEADER, POLICY_TO_WIRE, TENANT_HEADER, identity_to_wire, layout_to_wire, plan_from_wire, rope_to_wire, tokens_to_wire
+from sidecar.wire import AUTH_HEADER, POLICY_TO_WIRE, REPAIR_TO_WIRE, TENANT_HEADER, identity_to_wire, layout_to_wire, plan_from_wire, rope_to_wire, tokens_to_wire
 from sidecar.wire_directives import SessionState, directives_to_wire, session_from_wire
 from sidecar.wire_directives import plan_from_wire as op_plan_from_wire
 
@@ -443,6 +443,7 @@ def _lookup_request(
     left_context_window: int | None = None,
     recompute_tokens: int | None = None,
     dry_run: bool = False,
+    repair_scope: RepairScope | str | None = None,
 ) -> pb.LookupRequest:
     # None leaves the optional field unset: the server applies its configured default.
     return pb.LookupRequest(
@@ -453,6 +454,7 @@ def _lookup_request(
         left_context_window=left_context_window,
         recompute_tokens=recompute_tokens,
         dry_run=dry_run,
+        repair_scope=REPAIR_TO_WIRE[RepairScope(repair_scope)] if repair_scope is not None else pb.REPAIR_SCOPE_UNSPECIFIED,
     )
 
 
@@ -590,12 +592,14 @@ class SidecarClient(_ClientBase):
         left_context_window: int | None = None,
         recompute_tokens: int | None = None,
         dry_run: bool = False,
+        repair_scope: RepairScope | str | None = None,
     ) -> LookupPlan:
         """Plan which parts of ``tokens`` the engine can skip. Idempotent when ``dry_run``;
         otherwise it refreshes recency of the hits it returns (safe to retry).
-        ``left_context_window`` / ``recompute_tokens``: None = the server's defaults."""
+        ``left_context_window`` / ``recompute_tokens`` / ``repair_scope``: None = the server's
+        defaults."""
         req = _lookup_request(
-            tokens, identity, engine_prefix_len, policy, left_context_window, recompute_tokens, dry_run
+            tokens, identity, engine_prefix_len, policy, left_context_window, recompute_tokens, dry_run, repair_scope
         )
         msg = await self._call(lambda: self._stub.Lookup(req, metadata=self._metadata, timeout=self._timeout))
         return plan_from_wire(msg)

@@ -30,7 +30,7 @@ from sidecar.claims.config import ClaimsConfig
 from sidecar.directives import SessionConfig
 from sidecar.manifests.config import ManifestsConfig
 from sidecar.registry.chunker import ChunkerConfig
-from sidecar.registry.plan import AdmissionPolicy
+from sidecar.registry.plan import AdmissionPolicy, RepairScope
 from sidecar.registry.registry import RegistryConfig
 from sidecar.registry.shared_keys import SharedRegistryConfig
 from sidecar.tiers import StoreConfig
@@ -167,6 +167,9 @@ class SidecarConfig:
     # prefill on >= 99% of question prompts (docs/fidelity.md).
     default_left_context_window: int = 0
     default_recompute_tokens: int = DEFAULT_RECOMPUTE_TOKENS
+    #: where repair goes inside a segment continuing one stored sequence (``RepairScope``):
+    #: ``chunk`` (every stored chunk's start) keeps the fidelity the default k was chosen with
+    default_repair_scope: RepairScope = RepairScope.CHUNK
     log_level: str = "INFO"
     chunker: ChunkerConfig = field(default_factory=ChunkerConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
@@ -203,6 +206,10 @@ class SidecarConfig:
         if self.max_fetch_bytes <= 0:
             raise ValueError("max_fetch_bytes must be positive")
         object.__setattr__(self, "default_policy", AdmissionPolicy(self.default_policy))
+        if self.default_repair_scope not in {s.value for s in RepairScope}:
+            raise ValueError(f"default_repair_scope must be one of {[s.value for s in RepairScope]}, "
+                             f"got {self.default_repair_scope!r}")
+        object.__setattr__(self, "default_repair_scope", RepairScope(self.default_repair_scope))
         if not 0 <= self.default_left_context_window <= self.registry.left_context_tokens:
             raise ValueError(
                 f"default_left_context_window must be in [0, registry.left_context_tokens={self.registry.left_context_tokens}]"

@@ -72,6 +72,7 @@ from sidecar.wire import (
     layout_from_wire,
     plan_to_wire,
     policy_from_wire,
+    repair_from_wire,
     rope_from_wire,
     tokens_from_wire,
 )
@@ -383,6 +384,7 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
             has = request.HasField
             window = request.left_context_window if has("left_context_window") else cfg.default_left_context_window
             k = request.recompute_tokens if has("recompute_tokens") else cfg.default_recompute_tokens
+        repair = repair_from_wire(request.repair_scope, cfg.default_repair_scope)
         return LookupQuery(
             tokens=tokens,
             data=request.tokens,
@@ -392,6 +394,7 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
             policy=policy,
             left_context_window=window,
             recompute_tokens=k,
+            repair_scope=repair,
             dry_run=request.dry_run,
         )
 

@@ -15,7 +15,7 @@ from google.protobuf.descriptor import FieldDescriptor as _FieldDescriptor
 
 from sidecar.errors import InvalidArgument
 from sidecar.identity import CacheIdentity, KVLayout, KVPart
-from sidecar.registry.plan import SEGMENT_FIELDS, AdmissionPolicy, LookupPlan, LookupSummary
+from sidecar.registry.plan import SEGMENT_FIELDS, AdmissionPolicy, LookupPlan, LookupSummary, RepairScope
 from sidecar.v1 import sidecar_pb2 as pb
 
 #: Request metadata keys (ARCHITECTURE.md, "Tenancy"); kept here so clients need not import the
@@ -31,6 +31,8 @@ POLICY_FROM_WIRE = {
     pb.ADMISSION_POLICY_POSITION_INDEPENDENT: AdmissionPolicy.POSITION_INDEPENDENT,
 }
 POLICY_TO_WIRE = {v: k for k, v in POLICY_FROM_WIRE.items()}
+REPAIR_FROM_WIRE = {pb.REPAIR_SCOPE_CHUNK: RepairScope.CHUNK, pb.REPAIR_SCOPE_SEGMENT: RepairScope.SEGMENT}
+REPAIR_TO_WIRE = {v: k for k, v in REPAIR_FROM_WIRE.items()}
 _U32 = np.dtype("<u4")
 
 
@@ -176,6 +178,15 @@ def policy_from_wire(value: int, default: AdmissionPolicy) -> AdmissionPolicy:
     if policy is None:
         raise InvalidArgument(f"policy: unknown AdmissionPolicy value {value}")
     return policy
+
+
+def repair_from_wire(value: int, default: RepairScope) -> RepairScope:
+    if value == pb.REPAIR_SCOPE_UNSPECIFIED:
+        return default
+    scope = REPAIR_FROM_WIRE.get(value)
+    if scope is None:
+        raise InvalidArgument(f"repair_scope: unknown RepairScope value {value}")
+    return scope
 
 
 # ------------------------------------------------------------------------------------ plan

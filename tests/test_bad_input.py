@@ -40,6 +40,7 @@ def lookup_cases(identity, rng):
         ("identity.model_id", pb.LookupRequest(tokens=ok), "required"),
         ("identity.model_id", pb.LookupRequest(tokens=ok, identity=pb.CacheIdentity(namespace="x")), "required"),
         ("policy", pb.LookupRequest(tokens=ok, identity=ident, policy=7), "unknown"),
+        ("repair_scope", pb.LookupRequest(tokens=ok, identity=ident, repair_scope=7), "unknown"),
         ("engine_prefix_len", pb.LookupRequest(tokens=ok, identity=ident, engine_prefix_len=10_000), "exceeds"),
         ("left_context_window", pb.LookupRequest(tokens=ok, identity=ident, left_context_window=100_000), "exceeds"),
         ("recompute_tokens", pb.LookupRequest(tokens=ok, identity=ident, recompute_tokens=100_000), "exceeds"),

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from sidecar.config import load_config
+from sidecar.registry.plan import RepairScope
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 
@@ -74,6 +75,10 @@ def test_default_guards_are_validated():
         load_config(env={}, overrides={"default_recompute_tokens": 10_000})
     with pytest.raises(ValueError, match="default_left_context_window"):
         load_config(env={}, overrides={"default_left_context_window": -1})
+    assert load_config(env={}, overrides={}).default_repair_scope is RepairScope.CHUNK
+    assert load_config(env={}, overrides={"default_repair_scope": "segment"}).default_repair_scope is RepairScope.SEGMENT
+    with pytest.raises(ValueError, match="default_repair_scope"):
+        load_config(env={}, overrides={"default_repair_scope": "block"})
 
 
 def test_cli_anchors_of_the_real_models_tokenizer():

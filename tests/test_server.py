@@ -41,14 +41,19 @@ async def test_lookup_store_roundtrip(client, identity, rng):
     assert all(h.delta == 950 and h.fidelity is Fidelity.APPROXIMATE for h in hits)
     assert plan.segments[0].kind is SegmentKind.ENGINE_PREFIX
 
-    # Unset guards take the server's defaults (default_recompute_tokens): the first k tokens of
-    # every hit segment are re-prefilled (the body's chunks continue one stored sequence: one
-    # segment, repaired once at its start); an explicit 0 turns the guard off (above).
+    # Unset guards take the server's defaults (default_recompute_tokens, default_repair_scope):
+    # the first k tokens of every shifted stored chunk are re-prefilled, so the body (one stored
+    # sequence) comes back as one hit segment per chunk; an explicit 0 turns the guard off (above).
     k = DEFAULT_RECOMPUTE_TOKENS
     default = await client.lookup(second, identity=identity, dry_run=True, engine_prefix_len=1)
-    assert default.hit_segments().tolist() == [[hits[0].start + k, hits[-1].end]]
-    assert default.hits()[0].chunk_offset == k and all(h.chunk_offset == 0 for h in default.hits()[1:])
-    assert default.summary.shifted_tokens == len(body) - k
+    assert default.hit_segments().tolist() == [[h.start + k, h.end] for h in hits]
+    assert all(h.chunk_offset == k for h in default.hits())
+    assert default.summary.shifted_tokens == len(body) - k * len(hits)
+    # repair_scope "segment": once, at the segment's start
+    seg = await client.lookup(second, identity=identity, dry_run=True, engine_prefix_len=1, repair_scope="segment")
+    assert seg.hit_segments().tolist() == [[hits[0].start + k, hits[-1].end]]
+    assert seg.hits()[0].chunk_offset == k and all(h.chunk_offset == 0 for h in seg.hits()[1:])
+    assert seg.summary.shifted_tokens == len(body) - k
 
     # Observed (metadata-only) chunks are counted in observer mode but never served.
     served = await client.lookup(second, identity=identity)
@@ -59,9 +64,9 @@ async def test_lookup_store_roundtrip(client, identity, rng):
 
     stats = await client.stats()
     assert stats.registry.entries == res.chunks_total
-    # four Lookups; the shifted tokens counted are those of the two dry runs that found hits
-    assert stats.lookups == 4
-    assert stats.recovered_shifted_tokens == len(body) + default.summary.shifted_tokens
+    # five Lookups; the shifted tokens counted are those of the three dry runs that found hits
+    assert stats.lookups == 5
+    assert stats.recovered_shifted_tokens == len(body) + default.summary.shifted_tokens + seg.summary.shifted_tokens
 
 
 async def test_accepts_lists_numpy_and_bytes(client, identity, rng):

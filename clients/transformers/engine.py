@@ -74,6 +74,7 @@ class ReusePolicy:
     admission: str = "position_independent"
     left_context_window: int | None = None  # None: the sidecar's default_left_context_window
     recompute_tokens: int | None = None  # None: the sidecar's default_recompute_tokens
+    repair_scope: str | None = None  # "chunk" / "segment"; None: the sidecar's default_repair_scope
     rotation: Rotation = Rotation.SERVER
     store: bool = True
     min_fetch_tokens: int = 32
@@ -431,6 +432,7 @@ class Engine:
             if reuse.admission != "exact":
                 kw["left_context_window"] = reuse.left_context_window
                 kw["recompute_tokens"] = reuse.recompute_tokens
+                kw["repair_scope"] = reuse.repair_scope
             plan = self.sidecar.lookup(tokens, identity=self.identity, engine_prefix_len=h, **kw)
             tm.lookup_s = clock() - t0
             segments = plan.segments

@@ -42,9 +42,10 @@ DISCLAIMER = (
     "not a quality claim about a trained model."
 )
 
-def _pi(k: int, *, window: int = 0) -> ReusePolicy:
-    """Position-independent reuse with explicit guards (recompute k tokens, window W)."""
-    return ReusePolicy(recompute_tokens=k, left_context_window=window, store=False)
+def _pi(k: int, *, window: int = 0, repair: str = "chunk") -> ReusePolicy:
+    """Position-independent reuse with explicit guards (recompute k tokens at every stored
+    chunk's start, or once per hit segment with ``repair="segment"``; window W)."""
+    return ReusePolicy(recompute_tokens=k, left_context_window=window, repair_scope=repair, store=False)
 
 
 ARMS: Mapping[str, ReusePolicy] = {
@@ -69,6 +70,7 @@ SWEEP_ARMS: Mapping[str, ReusePolicy] = {
     "sidecar_k8": _pi(8),
     "sidecar_k16": _pi(16),
     "sidecar_k32": _pi(32),
+    "sidecar_k4_segment": _pi(4, repair="segment"),
     "sidecar_w32": _pi(0, window=32),
     "naive_no_rotation": ARMS["naive_no_rotation"],
 }

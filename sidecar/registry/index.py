@@ -11,8 +11,8 @@ Lookup (ARCHITECTURE.md, "The request path")::
         admit by policy: exact | position_independent (+ window W)
         group with the previous hit when it continues the same stored sequence (same delta)
     shape (``shaping.shape_runs``): coalesce groups into hit segments, extend each segment
-        token by token into its stored neighbours, repair k tokens once per segment start,
-        carve-out, fold segments shorter than registry.min_hit_tokens into the prefill
+        token by token into its stored neighbours, repair k tokens at every stored chunk's
+        start (or once per segment start: ``repair_scope``), carve-out, fold segments shorter than registry.min_hit_tokens into the prefill
     emit ENGINE_PREFIX | CHUNK_HIT (one row per chunk piece) | PREFILL segments tiling [0, n)
 
 A chunk registered by Store is visible to the very next Lookup: registration is synchronous
@@ -35,6 +35,7 @@ from sidecar.registry.plan import (
     Fidelity,
     LookupPlan,
     LookupSummary,
+    RepairScope,
     SegmentKind,
 )
 from sidecar.registry.registry import ChunkEntry, ChunkHash, EntryState, InMemoryRegistry
@@ -68,6 +69,7 @@ class LookupQuery:
     policy: AdmissionPolicy = AdmissionPolicy.POSITION_INDEPENDENT
     left_context_window: int = 0
     recompute_tokens: int = 0
+    repair_scope: RepairScope = RepairScope.CHUNK
     dry_run: bool = False
 
 
@@ -188,6 +190,7 @@ class ChunkIndex:
             extend_right_=extend,
             serve_observed=serve_observed,
             recompute_tokens=k,
+            repair_chunks=q.repair_scope is RepairScope.CHUNK,
             min_hit_tokens=cfg.min_hit_tokens,
         )
         pos = epl

@@ -28,6 +28,15 @@ class AdmissionPolicy(str, Enum):
     POSITION_INDEPENDENT = "position_independent"
 
 
+class RepairScope(str, Enum):
+    """Where boundary repair (``recompute_tokens`` k) re-prefills inside a hit segment that
+    continues one stored sequence (``shaping``): at every stored chunk's first row, or once at
+    the segment's start. Exact segments are never repaired."""
+
+    CHUNK = "chunk"
+    SEGMENT = "segment"
+
+
 class SegmentKind(IntEnum):  # values match sidecar.v1.SegmentKind
     ENGINE_PREFIX = 1
     CHUNK_HIT = 2

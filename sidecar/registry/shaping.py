@@ -17,8 +17,12 @@ sequence at ONE delta::
   its stored copy is the next chunk of the run's stored sequence: its source position follows
   on (same delta) and its prefix digest is the one the run's last chunk recorded for its
   successor (``ChunkEntry.next_digest``), so its KV was computed after exactly those tokens.
-  Within a run the left context of every chunk is the stored one, so boundary repair (the
-  first ``recompute_tokens`` re-prefilled) applies once, at the run's start, not per chunk.
+  Within a run the left context of every chunk is the stored one, but the text before the run
+  is not, so boundary repair (the first ``recompute_tokens`` k re-prefilled) applies at the
+  run's start and, with ``repair_chunks`` (``RepairScope.CHUNK``, the default), again at every
+  stored chunk's first row inside an approximate run: k-token prefill holes that split the run
+  into several hit segments. Re-prefilled tokens see the true prefix, and on a trained model
+  they keep answers closer to full prefill than one repair per run (docs/fidelity.md).
 * **Extension**: from a run's first and last chunk, the registry's links (``prev_key`` /
   ``next_key``, set at registration) name the neighbouring stored chunks of the same
   sequence; the prompt is compared with their stored tokens token by token and the matching
@@ -30,9 +34,9 @@ sequence at ONE delta::
   is approximate (the text before it differs, or it would have been a hit). A Fetch item names
   a chunk by the prompt position of its FIRST row (``target_pos``, unsigned), so a left
   extension never enters a stored chunk whose first row would land before position 0.
-* **Folding**: after repair and the carve-out (no shifted KV below position 32), a run shorter
-  than ``min_hit_tokens`` is dropped: its tokens are prefilled with the gap around it (unless it
-  covers the whole request after the engine prefix).
+* **Folding**: after repair and the carve-out (no shifted KV below position 32), a run (or a
+  part of one between repair holes) shorter than ``min_hit_tokens`` is dropped: its tokens are
+  prefilled with the gap around it (unless it covers the whole request after the engine prefix).
 
 Per piece the plan keeps one row (the wire format is unchanged: a run is a sequence of rows with
 contiguous positions and one delta, ``LookupPlan.hit_segments``), so every client fetches the
@@ -134,6 +138,26 @@ def extend_left(first: list, lim: int, tokens: np.ndarray, peek: Callable[[int],
     return out, pos
 
 
+def repair_chunk_starts(run: list[list], k: int) -> list[list[list]]:
+    """``run`` split by a k-token hole at every approximate piece after the first that starts at
+    a stored chunk's first row (the first piece was repaired by the caller)."""
+    out: list[list[list]] = []
+    cur: list[list] = []
+    for i, p in enumerate(run):
+        s, e, entry, row, exact, is_chunk = p
+        if i and row == 0 and not exact:
+            if cur:
+                out.append(cur)
+                cur = []
+            if e - s <= k:
+                continue
+            p = [s + k, e, entry, k, exact, is_chunk]
+        cur.append(p)
+    if cur:
+        out.append(cur)
+    return out
+
+
 def shape_runs(
     groups: list[list[list]],
     tokens: np.ndarray,
@@ -145,6 +169,7 @@ def shape_runs(
     extend_right_: bool = True,
     serve_observed: bool = False,
     recompute_tokens: int = 0,
+    repair_chunks: bool = False,
     min_hit_tokens: int = 0,
 ) -> list[list[list]]:
     """Runs (hit segments) from the chunk-hit pieces, given in ``groups`` of pieces that
@@ -165,8 +190,11 @@ def shape_runs(
                 if run and run[0][0] < lo:
                     s, e, entry, row, exact, is_chunk = run[0]
                     run[0] = [lo, e, entry, row + lo - s, exact, is_chunk]
-        if run and run[-1][1] - run[0][0] >= min_hit_tokens:
-            runs.append(run)
+        if not run:
+            return
+        for part in repair_chunk_starts(run, k) if repair_chunks and k else (run,):
+            if part[-1][1] - part[0][0] >= min_hit_tokens:
+                runs.append(part)
 
     run: list[list] | None = None
     edge = 0

@@ -13,6 +13,12 @@ class AdmissionPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ADMISSION_POLICY_EXACT: _ClassVar[AdmissionPolicy]
     ADMISSION_POLICY_POSITION_INDEPENDENT: _ClassVar[AdmissionPolicy]
 
+class RepairScope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPAIR_SCOPE_UNSPECIFIED: _ClassVar[RepairScope]
+    REPAIR_SCOPE_CHUNK: _ClassVar[RepairScope]
+    REPAIR_SCOPE_SEGMENT: _ClassVar[RepairScope]
+
 class SegmentKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SEGMENT_KIND_UNSPECIFIED: _ClassVar[SegmentKind]
@@ -74,6 +80,9 @@ class AdmitDecision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 ADMISSION_POLICY_UNSPECIFIED: AdmissionPolicy
 ADMISSION_POLICY_EXACT: AdmissionPolicy
 ADMISSION_POLICY_POSITION_INDEPENDENT: AdmissionPolicy
+REPAIR_SCOPE_UNSPECIFIED: RepairScope
+REPAIR_SCOPE_CHUNK: RepairScope
+REPAIR_SCOPE_SEGMENT: RepairScope
 SEGMENT_KIND_UNSPECIFIED: SegmentKind
 SEGMENT_KIND_ENGINE_PREFIX: SegmentKind
 SEGMENT_KIND_CHUNK_HIT: SegmentKind
@@ -167,7 +176,7 @@ class RopeParams(_message.Message):
     def __init__(self, rotary_dim: _Optional[int] = ..., pairing: _Optional[str] = ..., layout: _Optional[str] = ..., inv_freq: _Optional[bytes] = ..., key_dim: _Optional[int] = ..., attention_scaling: _Optional[float] = ..., rope_type: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("tokens", "identity", "engine_prefix_len", "policy", "left_context_window", "recompute_tokens", "dry_run")
+    __slots__ = ("tokens", "identity", "engine_prefix_len", "policy", "left_context_window", "recompute_tokens", "dry_run", "repair_scope")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     ENGINE_PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +184,7 @@ class LookupRequest(_message.Message):
     LEFT_CONTEXT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    REPAIR_SCOPE_FIELD_NUMBER: _ClassVar[int]
     tokens: bytes
     identity: CacheIdentity
     engine_prefix_len: int
@@ -182,7 +192,8 @@ class LookupRequest(_message.Message):
     left_context_window: int
     recompute_tokens: int
     dry_run: bool
-    def __init__(self, tokens: _Optional[bytes] = ..., identity: _Optional[_Union[CacheIdentity, _Mapping]] = ..., engine_prefix_len: _Optional[int] = ..., policy: _Optional[_Union[AdmissionPolicy, str]] = ..., left_context_window: _Optional[int] = ..., recompute_tokens: _Optional[int] = ..., dry_run: bool = ...) -> None: ...
+    repair_scope: RepairScope
+    def __init__(self, tokens: _Optional[bytes] = ..., identity: _Optional[_Union[CacheIdentity, _Mapping]] = ..., engine_prefix_len: _Optional[int] = ..., policy: _Optional[_Union[AdmissionPolicy, str]] = ..., left_context_window: _Optional[int] = ..., recompute_tokens: _Optional[int] = ..., dry_run: bool = ..., repair_scope: _Optional[_Union[RepairScope, str]] = ...) -> None: ...
 
 class LookupSummary(_message.Message):
     __slots__ = ("total_tokens", "prefix_tokens", "exact_tokens", "shifted_tokens", "prefill_tokens", "chunks_total", "chunks_hit")

@@ -131,10 +131,38 @@ async def test_reordered_documents_inside_one_message_recovered_to_their_edges(r
         # at least one row is a partial chunk reached by extension
         assert any(h.chunk_offset > 0 or len(h) < 32 for h in base.hits())
         check_against_prefill(second, stored, await served(c, base))
-        # boundary repair once per segment; the carve-out still holds
-        k4 = await c.lookup(second, identity=IDENT, engine_prefix_len=len(head), recompute_tokens=4)
+        # repair_scope "segment": boundary repair once per segment; the carve-out still holds
+        k4 = await c.lookup(second, identity=IDENT, engine_prefix_len=len(head), recompute_tokens=4,
+                            repair_scope="segment")
         assert k4.hit_segments().tolist() == [[a + 4, b] for a, b in want]
         check_against_prefill(second, stored, await served(c, k4))
+        # the default, repair_scope "chunk": also a 4-token hole at every stored chunk's first row
+        k4c = await c.lookup(second, identity=IDENT, engine_prefix_len=len(head), recompute_tokens=4)
+        k4c.check_tiling(len(second))
+        starts = [s.start for s in base.hits() if s.chunk_offset == 0 and s.start not in {a for a, _ in want}]
+        assert starts, "the moved documents span several stored chunks"
+        holes = sorted([a for a, _ in want] + starts)
+        assert_holes(base, k4c, holes, 4)
+        check_against_prefill(second, stored, await served(c, k4c))
+
+
+def covered(plan) -> set[int]:
+    return {t for s in plan.hits() for t in range(s.start, s.end)}
+
+
+def assert_holes(base, repaired, holes: list[int], k: int, min_hit: int = 16) -> None:
+    """``repaired`` serves what ``base`` serves except k tokens from each of ``holes`` and the
+    parts between holes shorter than ``min_hit`` (folded), rows still taken from the same
+    stored chunks at the same delta."""
+    want: set[int] = set()
+    for a, b in base.hit_segments().tolist():
+        cuts = [h for h in holes if a <= h < b]
+        for lo, hi in zip([c + k for c in cuts], cuts[1:] + [b]):
+            if hi - lo >= min_hit:
+                want.update(range(lo, hi))
+    assert covered(repaired) == want
+    rows = {t: (s.chunk_hash, s.delta) for s in base.hits() for t in range(s.start, s.end)}
+    assert all(rows[t] == (s.chunk_hash, s.delta) for s in repaired.hits() for t in range(s.start, s.end))
 
 
 async def test_exact_hit_extended_right_is_bit_exact(rng, sidecar_target):
@@ -214,7 +242,7 @@ async def test_one_fetch_item_per_hit_segment(rng, sidecar_target):
     second = np.concatenate([head, docs[2], docs[0], docs[1], message(rng, 20, ANCHORS[1])]).astype(np.uint32)
     async with SidecarClient(sidecar_target, tenant="t") as c:
         stored = await store_prefilled(c, first)
-        plan = await c.lookup(second, identity=IDENT, engine_prefix_len=len(head))
+        plan = await c.lookup(second, identity=IDENT, engine_prefix_len=len(head), repair_scope="segment")
         spans = plan.fetch_spans()
         segs = plan.hit_segments().tolist()
         assert len(spans) == len(segs) == 2 and len(plan.hits()) > len(spans)

@@ -8,7 +8,7 @@ import pytest
 from sidecar.identity import SHARED_SCOPE, CacheIdentity
 from sidecar.registry.chunker import ChunkerConfig
 from sidecar.registry.index import ChunkIndex, LookupQuery
-from sidecar.registry.plan import CARVE_OUT_TOKENS, AdmissionPolicy, Fidelity, SegmentKind
+from sidecar.registry.plan import CARVE_OUT_TOKENS, AdmissionPolicy, Fidelity, RepairScope, SegmentKind
 from sidecar.registry.registry import EntryState, InMemoryRegistry, RegistryConfig
 from tests.conftest import ANCHORS, message
 
@@ -114,15 +114,29 @@ def test_recompute_tokens(index, identity, rng):
     reg(index, np.concatenate([message(rng, 100), body]), identity)
     new = np.concatenate([message(rng, 200), body])
     base = index.lookup(q(new, identity))
-    k8 = index.lookup(q(new, identity, recompute_tokens=8))
+    # The body's chunks continue one stored sequence: one hit segment.
+    assert len(base.hit_segments()) == 1
+    # repair_scope "segment": repaired once, at the segment's start
+    k8 = index.lookup(q(new, identity, recompute_tokens=8, repair_scope=RepairScope.SEGMENT))
     k8.check_tiling(len(new))
     assert k8.summary.chunks_hit == base.summary.chunks_hit
-    # The body's chunks continue one stored sequence: one hit segment, repaired once at its start.
-    assert len(base.hit_segments()) == len(k8.hit_segments()) == 1
+    assert len(k8.hit_segments()) == 1
     assert k8.summary.shifted_tokens == base.summary.shifted_tokens - 8
     assert k8.hits()[0].chunk_offset == 8 and all(s.chunk_offset == 0 for s in k8.hits()[1:])
-    huge = index.lookup(q(new, identity, recompute_tokens=512))
+    # repair_scope "chunk" (the default): re-prefilled at every stored chunk's start, each hit row
+    # still the same chunk at the same delta, one hit segment per chunk
+    k8c = index.lookup(q(new, identity, recompute_tokens=8))
+    k8c.check_tiling(len(new))
+    hits, base_hits = k8c.hits(), base.hits()
+    assert len(hits) == len(base_hits) == len(k8c.hit_segments()) > 1
+    for h, b in zip(hits, base_hits):
+        assert (h.chunk_hash, h.delta, h.chunk_offset, h.start, h.end) == (b.chunk_hash, b.delta, 8, b.start + 8, b.end)
+    assert k8c.summary.shifted_tokens == base.summary.shifted_tokens - 8 * len(hits)
+    huge = index.lookup(q(new, identity, recompute_tokens=512, repair_scope=RepairScope.SEGMENT))
     assert huge.summary.prefill_tokens == base.summary.prefill_tokens + 512
+    # chunk scope, k at least the largest chunk: only what the segment-start repair cut into is
+    # left (its first rows were re-prefilled); every later chunk is re-prefilled whole
+    assert index.lookup(q(new, identity, recompute_tokens=512)).hits() == huge.hits()[:1]
 
 
 def test_left_context_window(index, identity, rng):
