@@ -34,7 +34,9 @@ on the shared remote tier)::
 Lock model (acquired in this order, never the reverse)::
 
     key stripe (1 of 64, by key)   a put holds its key's stripe from "is it new?" to "attached",
-                                   so one key is written once; delete takes the stripes too
+                                   so one key is written once; delete takes the stripes too;
+                                   a promotion (mover held) only tries its key's stripe and is
+                                   skipped when it is taken (never waits: no order inversion)
     mover (re-entrant)             every move of an existing chunk: demotion, eviction,
                                    promotion, publication, delete, loss; and making room
     index (``_lock`` + ``_cv``)    the ``Placement`` and counters; held for dict operations only
@@ -632,7 +634,18 @@ class TieredStore:
             self._mover.release()
 
     def _promote(self, r: FetchedChunk, obj: torch.Tensor | None, top: Tier) -> None:
-        """Copy a hit up to ``top`` and drop its slower local copy. Mover held."""
+        """Copy a hit up to ``top`` and drop its slower local copy. Mover held. Skipped while
+        the key's stripe is taken: a put of the same key may be placing it (a foreign chunk
+        is not in the index yet, so both would stage the key in ``top``)."""
+        stripe = self._stripe(r.meta.key)
+        if not stripe.acquire(blocking=False):
+            return
+        try:
+            self._promote_locked(r, obj, top)
+        finally:
+            stripe.release()
+
+    def _promote_locked(self, r: FetchedChunk, obj: torch.Tensor | None, top: Tier) -> None:
         key = r.meta.key
         p = self._place
         with self._lock:

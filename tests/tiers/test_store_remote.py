@@ -90,6 +90,25 @@ def test_demotion_to_remote_then_eviction(
     assert torch.equal(store.get(key(1), promote=False).payload, make_payload(1, payload_size))
 
 
+def test_foreign_chunk_not_promoted_while_a_put_of_it_is_placing(
+    make_store, redis_url, layout: KVLayout, payload_size: int
+) -> None:
+    """A get of a chunk another sidecar published (not in this store's index) promotes it into
+    the CPU tier; a put of the same key placing it at that moment stages the key there too. The
+    put holds its key's stripe, and the promotion is skipped while it is taken (the churn test
+    once failed with the CPU tier refusing the second stage, KEY_NOT_WRITABLE)."""
+    producer = make_store(cpu_bytes=1 << 20, remote_url=redis_url, remote_bytes=1 << 20)
+    _put(producer, 1, layout, payload_size, publish=True)
+    consumer = make_store(cpu_bytes=1 << 20, remote_url=redis_url, remote_bytes=1 << 20)
+    with consumer._stripe(key(1)):  # a put of key 1 between "is it new?" and "attached"
+        got = consumer.get(key(1))
+        assert got.tier == Tier.REMOTE and torch.equal(got.payload, make_payload(1, payload_size))
+        assert consumer.locate(key(1)) is None and consumer.take_events() == []
+    res = _put(consumer, 1, layout, payload_size)
+    assert res.stored and res.tier == Tier.CPU
+    assert consumer.get(key(1)).tier == Tier.CPU
+
+
 def test_delete_removes_the_remote_copy(
     make_store, redis_url, redis_client, namespace, layout: KVLayout, payload_size: int
 ) -> None:
