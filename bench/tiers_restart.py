@@ -13,6 +13,13 @@ and the first Lookup of a stored prompt answered with its chunks as hits. An emp
 is timed too (imports and kernel warm-up, the floor under any restart). With ``--baseline``
 the arms alternate (this, baseline, this, ...) over the same directory; the page cache is
 warm for all but the first start.
+
+Each start also reports where its time went, from the server's own log lines (wall seconds
+from ``Popen``): ``store_recovered_s`` (the tiered store has re-indexed the disk tier: imports,
+configuration, ``TieredStore``) and ``registry_recovered_s`` (registry entries rebuilt; absent
+on an empty disk); and, because a shared host makes wall time noisy, the server's CPU seconds
+up to the first Lookup (``cpu_s``, all its threads) and the 1-minute load average then
+(``load``).
 """
 
 from __future__ import annotations
@@ -20,16 +27,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import shutil
 import tempfile
 import time
+from collections import deque
+from datetime import datetime
 from pathlib import Path
 
 os.environ["LMCACHE_TRACK_USAGE"] = "false"
 
 import numpy as np
 
-from bench.tiers_stores import server
+from bench.harness import spawn_sidecar, stop_process
+from bench.tiers_stores import SERVER_FLAGS
 from sidecar.client import RetryPolicy, SidecarClient
 from sidecar.config import load_config
 from sidecar.dataplane import DataPlane, encode_aux
@@ -91,13 +102,44 @@ async def _first_lookup(target: str, tokens: np.ndarray) -> int:
         return sum(h.end - h.start for h in plan.hits())
 
 
+#: (row key, the server log line that ends the phase); ``SidecarServer.start`` logs both
+_PHASES = (("store_recovered_s", "disk tier recovered"), ("registry_recovered_s", "from the tiers"))
+_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all threads (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _phases(log: deque[str], started: float) -> dict[str, float]:
+    """Wall seconds from ``started`` (epoch) to the log lines of ``_PHASES`` (ms resolution)."""
+    out = {}
+    for line in list(log):
+        m = _LOG_TIME.match(line)
+        for name, text in _PHASES:
+            if m and text in line and name not in out:
+                out[name] = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - started
+    return out
+
+
 def restart(root: Path, disk: Path, chunks: int, tokens: np.ndarray) -> dict:
-    t0 = time.perf_counter()
-    with server(root, *flags(disk, chunks)) as (target, _):
+    python = root / ".venv" / "bin" / "python"
+    log: deque[str] = deque(maxlen=500)
+    started, t0 = time.time(), time.perf_counter()
+    proc, target = spawn_sidecar(*SERVER_FLAGS, *flags(disk, chunks), python=str(python) if python.exists() else None,
+                                 log=log, root=root)
+    try:
         serving = time.perf_counter() - t0
         hit = asyncio.run(_first_lookup(target, tokens))
         first = time.perf_counter() - t0
-    return {"serving_s": serving, "first_lookup_s": first, "hit_tokens": hit}
+        cpu = _cpu_seconds(proc.pid)
+        load = os.getloadavg()[0]
+    finally:
+        stop_process(proc, timeout=15)
+    return {"serving_s": serving, "first_lookup_s": first, "hit_tokens": hit, "cpu_s": cpu, "load": load,
+            **_phases(log, started)}
 
 
 def run(roots: dict[str, Path], chunks: int, rounds: int, workdir: Path) -> dict:
@@ -111,16 +153,21 @@ def run(roots: dict[str, Path], chunks: int, rounds: int, workdir: Path) -> dict
     index_file = disk / f"{NAMESPACE}.kvindex"
     for r in range(rounds):
         for arm, root in roots.items():
-            floor[arm].append(restart(root, empty, chunks, tokens)["first_lookup_s"])
+            empty_row = restart(root, empty, chunks, tokens)
+            floor[arm].append(empty_row["first_lookup_s"])
             row = restart(root, disk, chunks, tokens)
             rows[arm].append(row)
             print(f"  round {r} {arm:>7}: serving {row['serving_s']:.2f} s, first Lookup {row['first_lookup_s']:.2f} s "
-                  f"({row['hit_tokens']} tokens hit; empty-disk start {floor[arm][-1]:.2f} s; "
+                  f"({row['hit_tokens']} tokens hit; store recovered at {row.get('store_recovered_s', 0):.2f} s, "
+                  f"registry at {row.get('registry_recovered_s', 0):.2f} s; server CPU {row['cpu_s']:.2f} s; "
+                  f"load {row['load']:.2f}; empty-disk start {empty_row['first_lookup_s']:.2f} s, "
+                  f"CPU {empty_row['cpu_s']:.2f} s, load {empty_row['load']:.2f}; "
                   f"index {'present' if index_file.exists() else 'absent'})", flush=True)
     for arm in roots:
         best = min(rows[arm], key=lambda x: x["first_lookup_s"])
         out["arms"][arm] = {**best, "empty_disk_first_lookup_s": min(floor[arm]),
-                            "all_first_lookup_s": [x["first_lookup_s"] for x in rows[arm]]}
+                            "all_first_lookup_s": [x["first_lookup_s"] for x in rows[arm]],
+                            "all_cpu_s": [x["cpu_s"] for x in rows[arm]], "all_load": [x["load"] for x in rows[arm]]}
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
+import gc
 import json
 import logging
 import signal
@@ -125,6 +126,7 @@ async def _serve(config: Any) -> None:
     from sidecar.server import create_server
 
     server, _port = await create_server(config)
+    _end_startup_gc()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -132,6 +134,26 @@ async def _serve(config: Any) -> None:
     await stop.wait()
     logging.getLogger("sidecar").info("signal received: draining for up to %.1fs", config.grace_period_s)
     await server.stop(config.grace_period_s)
+
+
+def _begin_startup_gc() -> None:
+    """Stop the cyclic garbage collector for the start-up of ``serve``.
+
+    Start-up builds about a million objects that live as long as the process (the modules,
+    torch's and LMCache's among them, and one store and one registry entry per chunk the disk
+    tier recovers) and next to no garbage (~9,000 objects over 100,000 recovered chunks).
+    Collecting while they are built walks them again and again: a quarter of the CPU time of
+    a restart over 100,000 chunks (1.2 of 4.6 s). ``_end_startup_gc`` turns it back on."""
+    gc.disable()
+
+
+def _end_startup_gc() -> None:
+    """Once serving: freeze the start-up heap, then turn the collector back on. Frozen objects
+    are never walked again: a full collection over that heap would stall the event loop ~0.4 s
+    each time it runs (100,000 recovered chunks). The little start-up garbage is frozen with it
+    rather than collected, which would cost that same stall before the first request."""
+    gc.freeze()
+    gc.enable()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command == "serve":
+        _begin_startup_gc()
     from sidecar.config import load_config, to_dict
 
     try:
@@ -169,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.workers > 1 and config.worker_index < 0:
         from sidecar.workers import Supervisor
 
+        gc.enable()  # the supervisor only starts and watches processes
         return Supervisor(config, sys.argv[1:] if argv is None else argv).run()
     # `kill -USR1 <pid>` prints every thread's stack to stderr (a stuck call, for a bug report).
     faulthandler.register(signal.SIGUSR1, all_threads=True)

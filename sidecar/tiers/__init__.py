@@ -80,21 +80,60 @@ object is counted, removed, reported as ``LOST`` and served as a miss (or from t
 when one exists). ``tests/tiers/test_lmcache_pitfalls.py`` pins the upstream behaviours above.
 """
 
-from sidecar.tiers.codec import (
-    KVPayloadView,
-    PartView,
-    as_byte_tensor,
-    decode_payload,
-    encode_payload,
-    payload_nbytes,
-    rotary_views,
-)
-from sidecar.tiers.config import RemoteEndpoint, StoreConfig, TenantQuota
-from sidecar.tiers.errors import CapacityError, QuotaExceededError, TierStoreError, TierUnavailableError
-from sidecar.tiers.events import EventKind, Reason, TierEvent
-from sidecar.tiers.stats import StoreStats, TierStats
-from sidecar.tiers.store import Guard, TieredStore
-from sidecar.tiers.types import ChunkKey, ChunkMeta, FetchedChunk, PutResult, Tier, chunk_key
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# Names resolve on first use (PEP 562): the configuration, the wire layer and the supervisor
+# need ``StoreConfig``, ``Tier`` or ``chunk_key``, not torch and LMCache (~1.5 s to import),
+# which only the store and the codec pull in.
+_SOURCES = {
+    "sidecar.tiers.codec": (
+        "KVPayloadView", "PartView", "as_byte_tensor", "decode_payload", "encode_payload", "payload_nbytes",
+        "rotary_views",
+    ),
+    "sidecar.tiers.config": ("RemoteEndpoint", "StoreConfig", "TenantQuota"),
+    "sidecar.tiers.errors": ("CapacityError", "QuotaExceededError", "TierStoreError", "TierUnavailableError"),
+    "sidecar.tiers.events": ("EventKind", "Reason", "TierEvent"),
+    "sidecar.tiers.placement": ("Guard",),
+    "sidecar.tiers.stats": ("StoreStats", "TierStats"),
+    "sidecar.tiers.store": ("TieredStore",),
+    "sidecar.tiers.types": ("ChunkKey", "ChunkMeta", "FetchedChunk", "PutResult", "Tier", "chunk_key"),
+}
+_MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
+
+
+def __getattr__(name: str) -> object:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sidecar.tiers' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from sidecar.tiers.codec import (
+        KVPayloadView,
+        PartView,
+        as_byte_tensor,
+        decode_payload,
+        encode_payload,
+        payload_nbytes,
+        rotary_views,
+    )
+    from sidecar.tiers.config import RemoteEndpoint, StoreConfig, TenantQuota
+    from sidecar.tiers.errors import CapacityError, QuotaExceededError, TierStoreError, TierUnavailableError
+    from sidecar.tiers.events import EventKind, Reason, TierEvent
+    from sidecar.tiers.placement import Guard
+    from sidecar.tiers.stats import StoreStats, TierStats
+    from sidecar.tiers.store import TieredStore
+    from sidecar.tiers.types import ChunkKey, ChunkMeta, FetchedChunk, PutResult, Tier, chunk_key
 
 __all__ = [
     "CapacityError",

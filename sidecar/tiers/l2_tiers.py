@@ -16,6 +16,7 @@ import fcntl
 import logging
 import os
 import select
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -263,12 +264,12 @@ class DiskTier:
 
     ``fs_native`` keeps no index and cannot list its keys, so this tier keeps its own
     (``sidecar.tiers.disk_index``: ``<path>/<namespace>.kvindex``) and a restart is served by
-    ``scan()`` from it: one directory listing (names and sizes: a truncated file is dropped),
-    no file opened except those the index does not name, whose header is read as before. Without
-    an index ``scan()`` reads every file's header (the metadata is stored in the object). Either
-    way stale ``.tmp`` files and corrupt objects are removed; an object whose bytes were damaged
-    behind a valid record is found on its first read (a miss, then removed). One store owns a
-    directory: an ``flock`` on ``<path>/.kv-sidecar.lock`` refuses a second one.
+    ``scan()`` from it: one listing of the directory's names, no file opened except those the
+    index does not name, whose header is read as before. Without an index ``scan()`` reads
+    every file's header (the metadata is stored in the object). Either way stale ``.tmp`` files
+    and corrupt objects are removed; an object whose bytes were damaged behind a valid record
+    is found on its first read (a miss, then removed). One store owns a directory: an ``flock``
+    on ``<path>/.kv-sidecar.lock`` refuses a second one.
     """
 
     tier = Tier.DISK
@@ -342,27 +343,28 @@ class DiskTier:
 
     def scan(self) -> tuple[list[IndexedObject], int]:
         """Objects on disk (oldest first) and the number of corrupt files removed. Reads the
-        index and lists the directory (no file opened, no stat: a file damaged behind a valid
-        record is found on its first read); files the index does not name (or every file,
+        index and lists the directory's names (no file opened, no stat: a file damaged behind a
+        valid record is found on its first read); files the index does not name (or every file,
         without an index) have their header read and their size checked."""
         loaded = self._index.load()
         prefix = f"{self._namespace}@"
-        with os.scandir(self.path) as it:
-            entries = {e.name: e for e in it if e.name.startswith(prefix)}
-        for name in [n for n in entries if n.endswith(".tmp")]:
-            Path(entries.pop(name).path).unlink(missing_ok=True)  # a write interrupted before its rename
+        names = {n for n in os.listdir(self.path) if n.startswith(prefix)}
+        for name in [n for n in names if n.endswith(".tmp")]:
+            names.discard(name)
+            (self.path / name).unlink(missing_ok=True)  # a write interrupted before its rename
         found: list[IndexedObject] = []
         corrupt = 0
         if loaded is not None:
             body = f"{self._namespace}@0x{0:08x}@{_BODY:x}@"
-            pop = entries.pop
+            indexed = [body + obj.meta.key.hex() + ".data" for obj in loaded[0]]
             # a record without its file: removed after the record (a crash before the delete record)
-            found = [obj for obj in loaded[0] if pop(body + obj.meta.key.hex() + ".data", None) is not None]
+            found = [obj for obj, name in zip(loaded[0], indexed) if name in names]
+            names.difference_update(indexed)
         unindexed: list[DiskFile] = []
-        for entry in entries.values():
-            if not entry.name.endswith(".data") or not entry.is_file():
+        for name in names:
+            if not name.endswith(".data"):
                 continue
-            f = self._read_header(entry)
+            f = self._read_header(name)
             if f is None:
                 corrupt += 1
             elif f is not _FOREIGN:
@@ -379,23 +381,30 @@ class DiskTier:
         self._last_mtime_ns = max([time.time_ns(), *(f.mtime_ns for f in unindexed)])
         return found, corrupt
 
-    def _read_header(self, entry: os.DirEntry) -> DiskFile | None:
-        """The object file's header, checked against its size and name; ``None``: corrupt
-        (removed); ``_FOREIGN``: a valid object under another key's name (left alone)."""
-        st = entry.stat()
+    def _read_header(self, name: str) -> DiskFile | None:
+        """The header of object file ``name``, checked against its size and name; ``None``:
+        corrupt (removed); ``_FOREIGN``: a valid object under another key's name, not a regular
+        file, or gone since the listing (left alone)."""
+        path = str(self.path / name)
         try:
-            with open(entry.path, "rb") as f:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return _FOREIGN
+        if not stat.S_ISREG(st.st_mode):
+            return _FOREIGN
+        try:
+            with open(path, "rb") as f:
                 meta = parse_header(f.read(HEADER_NBYTES))
             if st.st_size != HEADER_NBYTES + meta.payload_nbytes:
                 raise CorruptChunkError(f"size {st.st_size} != {HEADER_NBYTES + meta.payload_nbytes}")
         except (CorruptChunkError, OSError) as exc:
-            logger.warning("removing corrupt disk object %s: %s", entry.name, exc)
-            Path(entry.path).unlink(missing_ok=True)
+            logger.warning("removing corrupt disk object %s: %s", name, exc)
+            Path(path).unlink(missing_ok=True)
             return None
-        if self.name_of(meta.key) != entry.name:
-            logger.warning("ignoring disk object %s: its header names key %s", entry.name, meta.key.hex())
+        if self.name_of(meta.key) != name:
+            logger.warning("ignoring disk object %s: its header names key %s", name, meta.key.hex())
             return _FOREIGN
-        return DiskFile(meta=meta, nbytes=st.st_size, mtime_ns=st.st_mtime_ns, path=entry.path)
+        return DiskFile(meta=meta, nbytes=st.st_size, mtime_ns=st.st_mtime_ns, path=path)
 
     def close(self, timeout: float) -> bool:
         ok = self._io.close(timeout)

@@ -121,23 +121,40 @@ class Placement:
 
     def load(self, tier: Tier, entries: list[Entry]) -> None:
         """``add`` + ``attach`` of many new chunks to ``tier`` at once, oldest first (recovery:
-        one pass, no per-chunk guard or share checks beyond the bookkeeping)."""
+        one pass, no per-chunk guard or share checks beyond the bookkeeping; the byte counts
+        are summed per tenant and added once)."""
         lru = self.lru[tier]
-        footprint = self.footprint
+        index = self.entries
+        known = len(index)
+        footprints: dict[int, int] = {}  # by object size: a tier's objects come in a few sizes
+        tenants: dict[str, tuple[OrderedDict[ChunkKey, Entry], list[int]]] = {}  # LRU, [footprint, payload]
+        guards = self.guards
         for e in entries:
-            assert e.key not in self.entries and e.local is None, f"{e.key.hex()} loaded twice; placement bug"
+            assert e.local is None, f"{e.key.hex()} loaded while placed; placement bug"
+            meta = e.meta
+            key = meta.key
+            fp = footprints.get(e.obj_nbytes)
+            if fp is None:
+                fp = footprints[e.obj_nbytes] = self.footprint(tier, e.obj_nbytes)
             e.local = tier
-            fp = footprint(tier, e.obj_nbytes)
-            self.entries[e.key] = e
-            lru[e.key] = e
-            self.tenant_lru.setdefault((e.tenant, tier), OrderedDict())[e.key] = e
-            self.used[tier] += fp
-            self.tenant_used[(e.tenant, tier)] += fp
-            self.tenant_bytes[e.tenant] += e.meta.payload_nbytes
-            if self.guards:
-                g = self.guard_fp.get(self.guards.get(e.key, Guard.NONE))
+            index[key] = e
+            lru[key] = e
+            t = tenants.get(meta.tenant)
+            if t is None:
+                t = tenants[meta.tenant] = (self.tenant_lru.setdefault((meta.tenant, tier), OrderedDict()), [0, 0])
+            t[0][key] = e
+            sums = t[1]
+            sums[0] += fp
+            sums[1] += meta.payload_nbytes
+            if guards:
+                g = self.guard_fp.get(guards.get(key, Guard.NONE))
                 if g is not None:
                     g[tier] += fp
+        assert len(index) == known + len(entries), "a chunk was loaded twice; placement bug"
+        for tenant, (_, (fp, nbytes)) in tenants.items():
+            self.used[tier] += fp
+            self.tenant_used[(tenant, tier)] += fp
+            self.tenant_bytes[tenant] += nbytes
 
     def reserve_quota(self, tenant: str, nbytes: int) -> None:
         """Count ``nbytes`` of a new chunk against ``tenant`` before it is written; raises

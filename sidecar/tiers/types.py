@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
 
-import torch
+if TYPE_CHECKING:  # the names here are imported by light modules (config, wire); torch is not
+    import torch
 
 #: Store key of one chunk: opaque bytes (1..64), already salted with identity and scope by the
 #: registry. ``chunk_key(h)`` turns the registry's 64-bit ``ChunkHash`` into one.

@@ -11,7 +11,7 @@ import torch
 
 from sidecar.identity import KVLayout
 from sidecar.tiers import Tier
-from sidecar.tiers.disk_index import MAGIC, DiskIndex
+from sidecar.tiers.disk_index import MAGIC, DiskIndex, _add_body, _frame
 from sidecar.tiers.types import ChunkKey, ChunkMeta
 from tests.tiers.conftest import NUM_TOKENS, key, make_payload
 
@@ -176,3 +176,87 @@ def test_torn_tail_loses_only_the_last_record(tmp_path: Path, cut: int) -> None:
     objects, bad = again.load()
     again.close()
     assert [o.meta.key for o in objects] == [key(0), key(1)] and bad == 1
+
+
+def _shape(i: int) -> ChunkMeta:
+    """Record shapes the batch decoder must read field by field: key lengths 1..64, non-ASCII
+    and long strings, empty and maximal aux, extreme integers."""
+    return ChunkMeta(key=ChunkKey(bytes([i]) * (1, 8, 33, 64)[i % 4]), tenant=("t", "ténant", "x" * 300)[i % 3],
+                     scope=("s", "ŝcope")[i % 2], layout_fingerprint=f"L{i % 5}", num_tokens=(1, 2**62)[i % 2],
+                     payload_nbytes=i * 4096, source_position=(0, 2**63 - 1)[i % 2],
+                     aux=bytes([i]) * (0, 5, 1024)[i % 3],
+                     checksum=(0, 2**64 - 1, i)[i % 3], created_at=(0.0, 1.7e9 + i / 7)[i % 2])
+
+
+def test_every_record_shape_decodes_exactly_and_unparseable_frames_are_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "x.kvindex"
+    index = DiskIndex(path)
+    index.load()
+    model: dict[bytes, tuple[ChunkMeta, int]] = {}
+    for i in range(40):
+        meta = _shape(i)
+        index.add(meta, 4096 + i)
+        model.pop(meta.key, None)
+        model[meta.key] = (meta, 4096 + i)
+        if i % 7 == 3:  # deletes, and a re-add that moves a key to the end
+            index.delete([_shape(i - 1).key])
+            model.pop(_shape(i - 1).key, None)
+            index.add(_shape(i - 2), 7)
+            model.pop(_shape(i - 2).key, None)
+            model[_shape(i - 2).key] = (_shape(i - 2), 7)
+    index.close()
+    # Frames whose checksum holds but whose body is not a record (a writer bug, not damage):
+    # each is skipped by its frame, and the records after it are read.
+    good_add = _add_body(_shape(50), 1)
+    unparseable = [b"", b"A", b"Z\x01\x00k", b"D\x00\x00", good_add[:-1], good_add + b"!"]
+    with open(path, "ab") as f:
+        f.write(b"".join(_frame(body) for body in unparseable))
+    again = DiskIndex(path)
+    again.load()
+    again.add(_shape(60), 60)
+    again.close()
+    model[_shape(60).key] = (_shape(60), 60)
+
+    third = DiskIndex(path)
+    objects, bad = third.load()
+    third.close()
+    assert bad == len(unparseable)
+    assert [(o.meta, o.nbytes) for o in objects] == list(model.values())  # write order, exact fields
+
+
+def test_a_record_with_undecodable_strings_costs_only_its_record(
+    make_store, tmp_path: Path, layout: KVLayout, payload_size: int, obj_size: int, monkeypatch
+) -> None:
+    first, metas = _fill(make_store, tmp_path, layout, payload_size, obj_size)
+    idx = _index_path(tmp_path, first)
+    # A checksummed record (the last one for key 4) whose tenant is not UTF-8: dropped at load,
+    # so key 4's file is one the index does not name, and its header is read.
+    body = bytearray(_add_body(metas[key(4)], obj_size))
+    tenant_at = body.index(b"t0", 3 + len(key(4)))
+    body[tenant_at:tenant_at + 2] = b"\xff\xfe"
+    with open(idx, "ab") as f:
+        f.write(_frame(bytes(body)))
+    log = DiskIndex(idx)
+    objects, bad = log.load()
+    log.close()
+    assert bad == 1 and key(4) not in {o.meta.key for o in objects} and len(objects) == N - 1
+    second = _restart(make_store, tmp_path, obj_size)
+    recovered = second.list_chunks(Tier.DISK)
+    assert [m.key for m in recovered] == [key(i) for i in range(N) if i != 4] + [key(4)]  # header read last
+    assert all(m == metas[m.key] for m in recovered)
+    assert second.stats().checksum_failures == 0
+    assert second.tenant_tier_usage("t0")[Tier.DISK] == (N // 2 * obj_size, N // 2)
+    second.close()
+    opened: list[str] = []
+    real_open = open
+
+    def spy_open(p, *a, **k):
+        if str(p).endswith(".data"):
+            opened.append(str(p))
+        return real_open(p, *a, **k)
+
+    monkeypatch.setattr("builtins.open", spy_open)
+    third = _restart(make_store, tmp_path, obj_size)
+    monkeypatch.undo()
+    assert opened == []  # the repaired index names key 4 again
+    assert {m.key for m in third.list_chunks(Tier.DISK)} == set(metas)
