@@ -20,6 +20,7 @@ from collections import deque
 import math
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from sidecar.claims.arbitration import Admission, Admit, PoolReport, arbitrate, protected_claims
 from sidecar.claims.config import ClaimsConfig
@@ -27,7 +28,10 @@ from sidecar.claims.events import EventLog
 from sidecar.claims.model import CapacityProof, Claim, ClaimId, Conformance, Decision, Mode, State, classify_lowering
 from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from sidecar.registry.registry import EntryState, InMemoryRegistry
-from sidecar.tiers import CapacityError, Guard, TieredStore, Tier, chunk_key
+from sidecar.tiers import CapacityError, Guard, Tier, chunk_key
+
+if TYPE_CHECKING:  # the store (torch, LMCache) is not imported by reading the config
+    from sidecar.tiers import TieredStore
 
 logger = logging.getLogger(__name__)
 

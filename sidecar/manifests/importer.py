@@ -30,12 +30,15 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import TYPE_CHECKING
 
-from sidecar.dataplane import DataPlane, decode_aux
 from sidecar.manifests.format import ManifestEntry, chunk_key, merge, next_prefix_digest
 from sidecar.registry.registry import ChunkEntry, EntryState, token_digest
 from sidecar.tiers import Tier
 from sidecar.tiers import chunk_key as store_key
+
+if TYPE_CHECKING:  # the data plane (torch, LMCache) is not imported by reading the config
+    from sidecar.dataplane import DataPlane
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +213,8 @@ class ManifestImporter:
         if fetched is None:
             return None
         meta = fetched.meta
+        from sidecar.dataplane import decode_aux
+
         entry = decode_aux(meta)
         if entry is None or meta.scope != e.scope or meta.num_tokens != e.num_tokens:
             return None

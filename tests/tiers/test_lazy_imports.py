@@ -1,5 +1,6 @@
 """``sidecar.tiers`` resolves its names on first use: the configuration's names do not import
-torch or LMCache, the store's do, and every exported name resolves."""
+torch or LMCache, the store's do, and every exported name resolves. Reading the sidecar's
+configuration (what the workers supervisor does) imports neither."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _PROBE = """
 import sys
+import sidecar.config
+assert not ({"torch", "lmcache"} & set(sys.modules)), "sidecar.config imported torch or LMCache"
 import sidecar.tiers as tiers
 from sidecar.tiers import Guard, RemoteEndpoint, StoreConfig, TenantQuota, Tier, chunk_key
 from sidecar.tiers.disk_index import DiskIndex
