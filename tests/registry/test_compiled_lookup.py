@@ -145,7 +145,8 @@ class Twin:
             self.both(cross)
             return "cross_scope"
         if op == 6:  # links forgotten, then rebuilt from digests (manifest import)
-            keys = [k for k in self.ref.registry.keys_lru()[-6:]]
+            recent = self.ref.registry.keys_lru()[-6:]
+            keys = [recent[i] for i in rng.permutation(len(recent))]  # any order: successors first too
 
             def relink(ix):
                 reg = ix.registry
