@@ -18,7 +18,8 @@ Lookup (ARCHITECTURE.md, "The request path")::
 Two planners produce the same plan: ``lookup_reference`` (the steps above in Python, per
 chunk; the specification) and, when the registry keeps its mirror (``compiled_lookup``, the
 default), ``compiled.plan``: chunking, fingerprints and every step above in ONE compiled call
-over the mirror's arrays, then one batch ``touch``. ``lookup`` uses the reference for what the
+over the mirror's arrays (chunks the shared registry's near-cache ``fill`` computed are taken
+as they are), then one batch ``touch``. ``lookup`` uses the reference for what the
 kernel does not do (the left-context-window guard) or cannot decide (an admitted entry recovered
 after a restart whose tokens are not known yet: the reference verifies it by its digest and it
 adopts the tokens, so the next Lookup is compiled again).
