@@ -8,8 +8,9 @@ The sidecar runs in its own process (as deployed). For each size the registry ho
 prompt whose body the measured prompt shifts (a new agent header), so the Lookup does the full
 work: chunk, fingerprint, find and token-verify every chunk, extend and repair the hits, build
 the plan. The client sends pre-packed token bytes (as an engine holds them) and decodes the
-plan. Pings and Lookups (and with ``--baseline`` the other server's) alternate call by call, so
-load from other processes hits every arm alike; the load average goes into the results.
+plan. Pings and Lookups (and with ``--baseline`` the other server's) are timed in alternating
+blocks of back-to-back calls, so load from other processes hits every arm alike; the load
+average goes into the results.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bench.harness import RESULTS, machine, pct, sidecar_process, write_results
+from bench.harness import RESULTS, machine, pct, sidecar_process, time_calls, write_results
 from sidecar.client import SyncSidecarClient
 from sidecar.identity import CacheIdentity
 from sidecar.v1 import sidecar_pb2 as pb
@@ -103,22 +104,23 @@ def breakdown(sizes: list[int], reps: int) -> dict:
     return out
 
 
-def paired(calls: dict[str, dict[str, Callable[[], object]]], reps: int, warmup: int = 50) -> dict[str, dict[str, np.ndarray]]:
-    """Time every server's calls rep by rep, interleaved (server A's ping, its Lookup, server
-    B's ping, ...), so that load from other processes hits every arm alike."""
+def alternating(calls: dict[str, dict[str, Callable[[], object]]], reps: int, rounds: int = 4,
+                warmup: int = 50) -> dict[str, dict[str, np.ndarray]]:
+    """``reps`` timed calls of each server's each call, in blocks of ``reps / rounds`` back to
+    back (as ``time_calls``: a call right after a different one is slower, a Ping after a 32K
+    Lookup by ~0.2 ms), the blocks alternating server by server and call by call, so that load
+    from other processes hits every arm alike."""
     for fns in calls.values():
         for fn in fns.values():
             for _ in range(warmup):
                 fn()
-    out = {srv: {k: np.empty(reps) for k in fns} for srv, fns in calls.items()}
-    clock = time.perf_counter
-    for i in range(reps):
+    out: dict[str, dict[str, list[np.ndarray]]] = {srv: {k: [] for k in fns} for srv, fns in calls.items()}
+    block = max(1, reps // rounds)
+    for _ in range(rounds):
         for srv, fns in calls.items():
             for k, fn in fns.items():
-                t0 = clock()
-                fn()
-                out[srv][k][i] = clock() - t0
-    return out
+                out[srv][k].append(time_calls(fn, block, warmup=5))
+    return {srv: {k: np.concatenate(v) for k, v in fns.items()} for srv, fns in out.items()}
 
 
 def main() -> None:
@@ -127,8 +129,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2000)
     ap.add_argument("--breakdown", action="store_true", help="only the in-process phase breakdown (lookup_breakdown.json)")
     ap.add_argument("--baseline", type=Path, default=None,
-                    help="another checkout (e.g. git archive of main) served too and timed interleaved with this "
-                         "one, under 'baseline_same_run'")
+                    help="another checkout (e.g. git archive of main) served too, its blocks alternating with this "
+                         "one's; under 'baseline_same_run'")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.breakdown:
@@ -166,7 +168,7 @@ def main() -> None:
                     "ping": lambda stub=stub: stub.Ping(ping_req, metadata=md),
                     "lookup": lambda stub=stub: plan_from_wire(stub.Lookup(req, metadata=md)),
                 }
-            timed = paired(calls, args.reps)
+            timed = alternating(calls, args.reps)
             for srv in servers:
                 plan, lat, ping = plans[srv], timed[srv]["lookup"], timed[srv]["ping"]
                 row = {

@@ -50,8 +50,8 @@ from sidecar.registry.table import (
 )
 
 #: header words of the kernel's output
-H_STATUS, H_KEY, H_ROWS, H_SEGS, H_TOUCH, H_BOUNDS, H_CHUNKS, H_HITS, H_EXACT, H_SHIFTED, H_VFAIL = range(11)
-HEADER = 11
+H_STATUS, H_ROWS, H_SEGS, H_TOUCH, H_BOUNDS, H_CHUNKS, H_HITS, H_EXACT, H_SHIFTED, H_VFAIL = range(10)
+HEADER = 10
 PLANNED, FALLBACK = 0, 1
 
 _U = np.uint64
@@ -190,7 +190,6 @@ def plan_chunks(tok, bounds, fps, prefix, epl, own_sid, shared_sid, exact_only, 
         ln = si[s, I_LEN]
         if ln <= 0:
             header[H_STATUS] = FALLBACK
-            header[H_KEY] = su[s, U_KEY]
             return header
         off = si[s, I_OFF]
         if ln != b - a or _leading(tok[a:b], arena[off : off + ln], ln) != ln:
@@ -502,7 +501,7 @@ def warmup(chunker: ChunkerConfig) -> None:
     """Compile (or load from numba's cache) the planner and the mirror's kernels before the
     first request, with the argument types Lookups use."""
     table = RegistryTable(8)
-    tokens = np.arange(600, dtype=np.uint32)
+    tokens = np.frombuffer(np.arange(600, dtype="<u4").tobytes(), dtype="<u4")  # read-only, as from the wire
     entry = ChunkEntry(key=ChunkHash(1), scope="warmup", tokens=tokens[:40].tobytes(), source_pos=0, prefix_digest=0,
                        left_context=b"")
     table.add(entry, True)

@@ -166,8 +166,7 @@ class ChunkIndex:
             extend_left=extend and not exact_only, extend_right=extend, serve_observed=q.dry_run,
             chunks=chunks, chunker=self.chunker, seeds=seeds, chain_seed=salt or 0,
         )
-        (status, _key, nrows, nseg, ntouch, _nb, total, hits, exact, shifted,
-         vfail) = out[: compiled.HEADER].tolist()
+        status, nrows, nseg, ntouch, _nb, total, hits, exact, shifted, vfail = out[: compiled.HEADER].tolist()
         if status != compiled.PLANNED:
             return None
         r = compiled.HEADER + 7 * nrows

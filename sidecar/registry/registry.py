@@ -119,7 +119,7 @@ class RegistryConfig:
     #: stored sequence, same delta), so a hit reaches the true edges of the reused text.
     extend_hits: bool = True
     #: Lookup: plan in one compiled call over a flat mirror of the registry (``table``,
-    #: ``compiled``; ~4 bytes a token and ~150 bytes a chunk more memory, outside
+    #: ``compiled``; ~4 bytes a token and ~130 bytes a chunk more memory, outside
     #: ``capacity_bytes``). False: the Python planner only, no mirror. Plans are identical.
     compiled_lookup: bool = True
 

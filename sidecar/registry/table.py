@@ -27,8 +27,9 @@ recorded: the registry does it in ``insert``, ``update``, ``link``, ``set_state`
 (tokens adopted by a recovered entry) and its evictions; ``ChunkEntry`` fields assigned anywhere
 else are not seen by the compiled planner.
 
-Memory: ``4 x tokens`` bytes of arena per entry (a second copy of ``ChunkEntry.tokens``) plus
-88 bytes of slot rows and 32-64 bytes of hash table, outside ``registry.capacity_bytes``.
+Memory, outside ``registry.capacity_bytes``: ``4 x tokens`` bytes of arena per entry (a second
+copy of ``ChunkEntry.tokens``), 96 bytes of slot arrays and 32-64 bytes of hash table; every
+array grows by doubling (100K entries of 128 tokens: 80 MiB).
 
 Thread-safety: owned by the registry (the server's event loop); the kernels release the GIL
 but the arrays must not change while a planner call reads them.
