@@ -104,7 +104,7 @@ def breakdown(sizes: list[int], reps: int) -> dict:
     return out
 
 
-def alternating(calls: dict[str, dict[str, Callable[[], object]]], reps: int, rounds: int = 4,
+def alternating(calls: dict[str, dict[str, Callable[[], object]]], reps: int, rounds: int = 20,
                 warmup: int = 50) -> dict[str, dict[str, np.ndarray]]:
     """``reps`` timed calls of each server's each call, in blocks of ``reps / rounds`` back to
     back (as ``time_calls``: a call right after a different one is slower, a Ping after a 32K
@@ -196,9 +196,10 @@ def main() -> None:
         row = results["sizes"][str(n)]
         print(f"budget: {n}-token Lookup p50 <= {budget}x empty RTT: "
               f"{'met' if row['p50_ratio'] <= budget else 'MISSED'} ({row['p50_ratio']:.2f}x)")
-    before = _before()
+    kept = _before()
+    results.update(kept)
+    before = kept.get("before")
     if before:
-        results["before"] = before
         print(f"before ({before.get('label', 'earlier run')}) -> now, p50 ms (p50/ping):")
         for k, row in results["sizes"].items():
             b = before.get("sizes", {}).get(k)
@@ -212,15 +213,17 @@ def main() -> None:
 BEFORE_LABEL = "before issue 14 (commit 4a610a9), same machine, run just before"
 
 
-def _before() -> dict | None:
-    """The ``before`` block of the previous results file, or that file's figures."""
+def _before() -> dict:
+    """The earlier figures the results file keeps: the previous file's ``before*`` blocks (or,
+    the first time, its figures as ``before``)."""
     try:
         old = json.loads((RESULTS / "lookup.json").read_text())
     except (OSError, ValueError):
-        return None
+        return {}
     if "before" in old:
-        return old["before"]
-    return {"label": BEFORE_LABEL, "machine": old.get("machine"), "reps": old.get("reps"), "sizes": old.get("sizes", {})}
+        return {k: v for k, v in old.items() if k.startswith("before")}
+    return {"before": {"label": BEFORE_LABEL, "machine": old.get("machine"), "reps": old.get("reps"),
+                       "sizes": old.get("sizes", {})}}
 
 
 if __name__ == "__main__":
