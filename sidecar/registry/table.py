@@ -345,8 +345,3 @@ class RegistryTable:
         off, ln = self.si[slot, I_OFF], self.si[slot, I_LEN]
         return self.arena[off : off + ln] if ln > 0 else None
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the arrays (hash table, slot rows, arena)."""
-        return sum(a.nbytes for a in (self.ht_key, self.ht_slot, self.su, self.si, self.free, self.arena))
-
