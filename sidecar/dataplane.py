@@ -412,7 +412,7 @@ class DataPlane:
                     reg.update(e, source_pos=canonical.source_pos, prefix_digest=canonical.prefix_digest,
                                left_context=canonical.left_context)
                 reg.set_state(e, EntryState.RESIDENT, tiers[start])
-                if old is not None and old.matches(e.tokens) and (
+                if old is not None and reg.matches(old, e.tokens) and (
                     old.state is not EntryState.RESIDENT or canonical is not None
                 ):
                     # An OBSERVED entry may have been registered at another position: the payload

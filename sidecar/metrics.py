@@ -63,8 +63,11 @@ kv_sidecar_build_info{version}                  1
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -185,6 +188,34 @@ class _SessionCollector:
         yield GaugeMetricFamily("kv_sidecar_sessions", "Mirrored engine sessions open", value=len(self._table))
 
 
+class BatchHistogram(Histogram):
+    """A ``Histogram`` (same samples, same exposition) that also takes many observations in one
+    call: ``observe`` costs two locked increments per value, and a Lookup can plan hundreds of
+    hit segments. Unlabelled only (as used here)."""
+
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        self._bounds = np.asarray(self._upper_bounds, dtype=np.float64)
+
+    def observe_many(self, amounts: Sequence[float]) -> None:
+        """``observe`` each of ``amounts``: one increment per bucket that gains any, one of the sum."""
+        n = len(amounts)
+        if not n:
+            return
+        self._raise_if_not_observable()
+        # observe() counts a value in the first bucket whose upper bound is >= it
+        if n < 16:
+            first = [bisect_left(self._upper_bounds, a) for a in amounts]
+            per_bucket = {i: first.count(i) for i in set(first)}
+        else:  # numpy's fixed cost (~4 us) pays off
+            counts = np.bincount(self._bounds.searchsorted(np.fromiter(amounts, np.float64, n)),
+                                 minlength=len(self._bounds))
+            per_bucket = {i: int(counts[i]) for i in np.flatnonzero(counts).tolist()}
+        self._sum.inc(float(sum(amounts)))
+        for i, k in per_bucket.items():
+            self._buckets[i].inc(k)
+
+
 class Metrics:
     def __init__(self, version: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -197,7 +228,7 @@ class Metrics:
         self.lookup_seconds = Histogram(
             "kv_sidecar_lookup_seconds", "Server-side Lookup latency", buckets=_LATENCY_BUCKETS, registry=r
         )
-        self.lookup_hit_segment_tokens = Histogram(
+        self.lookup_hit_segment_tokens = BatchHistogram(
             "kv_sidecar_lookup_hit_segment_tokens", "Tokens per planned hit segment", buckets=_SEGMENT_BUCKETS,
             registry=r,
         )

@@ -174,7 +174,7 @@ class ManifestImporter:
             if target != e.scope:
                 e = replace(e, scope=target, content_hash=chunk_key(e.identity, target, e.tokens))
             old = self._registry.peek(e.content_hash)
-            if old is not None and old.state is EntryState.RESIDENT and old.matches(e.tokens):
+            if old is not None and old.state is EntryState.RESIDENT and self._registry.matches(old, e.tokens):
                 res.outcomes[Outcome.PRESENT] += 1
                 self.plan.context(e)
                 continue
@@ -231,7 +231,7 @@ class ManifestImporter:
         """Insert (or upgrade an OBSERVED entry to) RESIDENT; True when the key is new here."""
         reg = self._registry
         old = reg.peek(entry.key)
-        if old is not None and old.matches(entry.tokens):
+        if old is not None and reg.matches(old, entry.tokens):
             reg.update(old, source_pos=entry.source_pos, prefix_digest=entry.prefix_digest,
                        left_context=entry.left_context)
             reg.set_state(old, EntryState.RESIDENT, entry.tier)

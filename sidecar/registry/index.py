@@ -15,6 +15,15 @@ Lookup (ARCHITECTURE.md, "The request path")::
         start (or once per segment start: ``repair_scope``), carve-out, fold segments shorter than registry.min_hit_tokens into the prefill
     emit ENGINE_PREFIX | CHUNK_HIT (one row per chunk piece) | PREFILL segments tiling [0, n)
 
+Two planners produce the same plan: ``lookup_reference`` (the steps above in Python, per
+chunk; the specification) and, when the registry keeps its mirror (``compiled_lookup``, the
+default), ``compiled.plan``: chunking, fingerprints and every step above in ONE compiled call
+over the mirror's arrays (chunks the shared registry's near-cache ``fill`` computed are taken
+as they are), then one batch ``touch``. ``lookup`` uses the reference for what the
+kernel does not do (the left-context-window guard) or cannot decide (an admitted entry recovered
+after a restart whose tokens are not known yet: the reference verifies it by its digest and it
+adopts the tokens, so the next Lookup is compiled again).
+
 A chunk registered by Store is visible to the very next Lookup: registration is synchronous
 on the event loop that also serves lookups.
 """
@@ -28,6 +37,7 @@ from typing import Protocol
 import numpy as np
 
 from sidecar.identity import SHARED_SCOPE, CacheIdentity
+from sidecar.registry import compiled
 from sidecar.registry.chunker import ChunkerConfig, Chunks, chunk_tokens
 from sidecar.registry.plan import (
     CARVE_OUT_TOKENS,
@@ -40,12 +50,15 @@ from sidecar.registry.plan import (
 )
 from sidecar.registry.registry import ChunkEntry, ChunkHash, EntryState, InMemoryRegistry
 from sidecar.registry.shaping import shape_runs
+from sidecar.registry.table import RegistryTable
 
 _HIT = int(SegmentKind.CHUNK_HIT)
 _PREFILL = int(SegmentKind.PREFILL)
 _PREFIX = int(SegmentKind.ENGINE_PREFIX)
 _EXACT = int(Fidelity.EXACT)
 _APPROX = int(Fidelity.APPROXIMATE)
+#: identities x scopes whose seed arrays a ChunkIndex keeps
+_SEED_CACHE = 1024
 
 
 class RegistryPublisher(Protocol):
@@ -93,6 +106,11 @@ class ChunkIndex:
         #: Told ``(identity, entries)`` after chunks are registered here for the first time (the
         #: manifest producer). Called on the registering thread: it must only buffer.
         self.on_new_chunks: Callable[[CacheIdentity, list[ChunkEntry]], None] | None = None
+        #: Lookups planned by the compiled kernel / by the reference planner (counts).
+        self.compiled_lookups = 0
+        self.reference_lookups = 0
+        #: uint64 seed arrays by (identity salt, scope, with shared); cleared past _SEED_CACHE
+        self._seeds: dict[tuple[int, str, bool], np.ndarray] = {}
 
     def announce(self, identity: CacheIdentity, entries: list[ChunkEntry]) -> None:
         """Report newly registered ``entries`` to ``on_new_chunks`` (if set)."""
@@ -108,7 +126,65 @@ class ChunkIndex:
     def lookup(self, q: LookupQuery, chunks: Chunks | None = None) -> LookupPlan:
         """Plan ``q``. ``chunks``: ``self.chunk(q.tokens, q.identity, scopes)`` already computed
         for scopes ``(q.scope,)`` or ``(q.scope, "shared")`` (the shared registry's near-cache
-        fill does this once for both)."""
+        fill does this once for both). Compiled when the registry has its mirror and the kernel
+        can decide (module docstring), else ``lookup_reference``: the same plan either way."""
+        table = self.registry.table
+        if table is not None and not q.left_context_window and q.engine_prefix_len < len(q.tokens):
+            plan = self._lookup_compiled(q, chunks, table)
+            if plan is not None:
+                self.compiled_lookups += 1
+                return plan
+        self.reference_lookups += 1
+        return self.lookup_reference(q, chunks)
+
+    def _lookup_compiled(self, q: LookupQuery, chunks: Chunks | None, table: RegistryTable) -> LookupPlan | None:
+        """``compiled.plan`` of ``q``, touches and counts applied; None: the kernel could not
+        decide (nothing was changed)."""
+        reg = self.registry
+        scope = q.scope
+        epl = q.engine_prefix_len
+        exact_only = q.policy is AdmissionPolicy.EXACT
+        cfg = reg.config
+        extend = cfg.extend_hits
+        if chunks is None:
+            search_shared = scope != SHARED_SCOPE and reg.scope_entries(SHARED_SCOPE) > 0
+            salt = q.identity.salt
+            seeds = self._seeds.get((salt, scope, search_shared))
+            if seeds is None:
+                if len(self._seeds) >= _SEED_CACHE:
+                    self._seeds.clear()
+                scopes = (scope, SHARED_SCOPE) if search_shared else (scope,)
+                seeds = np.array([q.identity.scope_seed(s) for s in scopes], dtype=np.uint64)
+                self._seeds[(salt, scope, search_shared)] = seeds
+        else:
+            search_shared = len(chunks.fingerprints) > 1
+            seeds = salt = None
+        out = compiled.plan(
+            table, q.tokens, scope, SHARED_SCOPE if search_shared else None,
+            engine_prefix_len=epl, exact_only=exact_only, recompute_tokens=q.recompute_tokens,
+            repair_chunks=q.repair_scope is RepairScope.CHUNK, min_hit_tokens=cfg.min_hit_tokens,
+            extend_left=extend and not exact_only, extend_right=extend, serve_observed=q.dry_run,
+            chunks=chunks, chunker=self.chunker, seeds=seeds, chain_seed=salt or 0,
+        )
+        status, nrows, nseg, ntouch, _nb, total, hits, exact, shifted, vfail = out[: compiled.HEADER].tolist()
+        if status != compiled.PLANNED:
+            return None
+        r = compiled.HEADER + 7 * nrows
+        t = r + nseg
+        b = t + ntouch
+        if ntouch:
+            reg.touch_many(out[t:b].tolist())
+        if vfail:
+            reg.stats.verify_failures += vfail
+        n = len(q.tokens)
+        summary = LookupSummary(total_tokens=n, prefix_tokens=epl, exact_tokens=exact, shifted_tokens=shifted,
+                                prefill_tokens=n - epl - exact - shifted, chunks_total=total, chunks_hit=hits)
+        return LookupPlan(table=out[compiled.HEADER : r].reshape(nrows, 7), summary=summary, dry_run=q.dry_run,
+                          chunk_bounds=out[b:].astype(np.uint32), hit_segment_tokens=out[r:t].tolist())
+
+    def lookup_reference(self, q: LookupQuery, chunks: Chunks | None = None) -> LookupPlan:
+        """``lookup`` by the reference planner (Python, per chunk): the specification of the
+        compiled one, and what plans when the kernel cannot."""
         n = len(q.tokens)
         epl = q.engine_prefix_len
         reg = self.registry

@@ -14,6 +14,12 @@ Resident claims: keys in ``protected`` (maintained by ``sidecar.claims``) are sk
 eviction (a skipped entry moves to the most-recent end, so each eviction stays O(1) amortized);
 when only protected entries are left the registry stays over capacity rather than break a claim.
 
+Planner mirror: with ``compiled_lookup`` (the default) every mutation a Lookup can see (new
+and deleted entries, state, canonical position, links, tokens a recovered entry adopts) is also
+recorded in a ``table.RegistryTable``, the flat arrays the compiled planner reads. Registered
+entries must therefore change only through this class (``update``, ``set_state``, ``link``,
+``matches``): a field assigned elsewhere is invisible to the compiled planner.
+
 Thread-safety: the registry is owned by the server's event loop; callers serialise access.
 Events (evictions) are a buffer the caller drains with ``take_events``.
 """
@@ -27,6 +33,8 @@ from enum import Enum
 from typing import NewType
 
 import xxhash
+
+from sidecar.registry.table import RegistryTable
 
 ChunkHash = NewType("ChunkHash", int)
 
@@ -81,7 +89,9 @@ class ChunkEntry:
         return 4 * self.num_tokens + len(self.left_context) + ENTRY_OVERHEAD_BYTES
 
     def matches(self, data: bytes) -> bool:
-        """Token verification: stored tokens, or the second digest for recovered entries."""
+        """Token verification: stored tokens, or the second digest for recovered entries (which
+        adopt the tokens). For a registered entry call ``InMemoryRegistry.matches``: it keeps
+        the compiled planner's mirror in step."""
         if self.tokens:
             return self.tokens == data
         if self.digest and len(data) == 4 * self.num_tokens and self.digest == token_digest(data):
@@ -108,6 +118,10 @@ class RegistryConfig:
     #: Lookup: extend every hit segment token by token into the stored chunks next to it (same
     #: stored sequence, same delta), so a hit reaches the true edges of the reused text.
     extend_hits: bool = True
+    #: Lookup: plan in one compiled call over a flat mirror of the registry (``table``,
+    #: ``compiled``; ~4 bytes a token and ~130 bytes a chunk more memory, outside
+    #: ``capacity_bytes``). False: the Python planner only, no mirror. Plans are identical.
+    compiled_lookup: bool = True
 
     def __post_init__(self) -> None:
         if self.capacity_entries <= 0:
@@ -157,6 +171,10 @@ class InMemoryRegistry:
         self.stats = RegistryStats()
         #: Keys LRU eviction must skip (claimed chunks); owned by the claims ledger.
         self.protected: set[int] = set()
+        #: The compiled planner's mirror of the entries (None without ``compiled_lookup``).
+        self.table: RegistryTable | None = (
+            RegistryTable(min(config.capacity_entries, 1024)) if config.compiled_lookup else None
+        )
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -189,10 +207,20 @@ class InMemoryRegistry:
 
     def verify(self, entry: ChunkEntry, tokens: bytes | memoryview) -> bool:
         """True when ``tokens`` equal the entry's stored tokens; counts mismatches."""
-        if entry.matches(tokens):
+        if self.matches(entry, tokens):
             return True
         self.stats.verify_failures += 1
         return False
+
+    def matches(self, entry: ChunkEntry, tokens: bytes | memoryview) -> bool:
+        """``entry.matches(tokens)``: a recovered entry verified by its digest adopts the tokens,
+        and a registered one then shows them to the compiled planner too. Counts nothing."""
+        had = bool(entry.tokens)
+        if not entry.matches(tokens):
+            return False
+        if not had and self.table is not None and self._entries.get(entry.key) is entry:
+            self.table.set_tokens(entry)
+        return True
 
     def entries(self) -> list[ChunkEntry]:
         """All entries, least recently used first."""
@@ -203,6 +231,8 @@ class InMemoryRegistry:
         tier do not change the entry's byte count."""
         entry.state = state
         entry.tier = tier
+        if self.table is not None and self._entries.get(entry.key) is entry:
+            self.table.put(entry, state is EntryState.RESIDENT)
 
     def update(
         self,
@@ -236,6 +266,8 @@ class InMemoryRegistry:
             entry.digest = digest
         if registered:
             self._bytes += entry.nbytes - before
+            if self.table is not None:
+                self.table.put(entry, entry.state is EntryState.RESIDENT)
 
     def link(self, chained: list[tuple[ChunkEntry, int]]) -> None:
         """Rebuild neighbour links of registered entries that arrive without them (imported
@@ -243,6 +275,7 @@ class InMemoryRegistry:
         is the one whose prefix digest is its ``next_digest`` and whose source position follows
         on, in the same scope. Links an entry already has are kept."""
         by_prefix = {(e.scope, e.prefix_digest): e for e, _ in chained}
+        table = self.table
         for e, nxt in chained:
             if not nxt or e.next_key or self._entries.get(e.key) is not e:
                 continue
@@ -252,6 +285,10 @@ class InMemoryRegistry:
                 e.next_key = succ.key
                 if not succ.prev_key:
                     succ.prev_key = e.key
+                    if table is not None:
+                        table.put(succ, succ.state is EntryState.RESIDENT)
+            if table is not None:
+                table.put(e, e.state is EntryState.RESIDENT)
 
     def touch(self, entry: ChunkEntry) -> None:
         """Record a served hit: recency and hit count."""
@@ -260,6 +297,21 @@ class InMemoryRegistry:
         self.stats.hits += 1
         self._entries.move_to_end(entry.key)
         self._scope_lru[entry.scope].move_to_end(entry.key)
+
+    def touch_many(self, keys: list[int]) -> None:
+        """``touch`` each registered entry of ``keys``, in order (a key may repeat: one hit
+        each); one timestamp for the batch."""
+        now = time.time()
+        entries = self._entries
+        move = entries.move_to_end
+        lrus = self._scope_lru
+        for key in keys:
+            entry = entries[key]
+            entry.hits += 1
+            entry.last_seen = now
+            move(key)
+            lrus[entry.scope].move_to_end(key)
+        self.stats.hits += len(keys)
 
     def insert(self, entry: ChunkEntry) -> bool:
         """Insert ``entry``, or refresh the existing entry with the same key.
@@ -272,7 +324,7 @@ class InMemoryRegistry:
         """
         old = self._entries.get(entry.key)
         if old is not None:
-            if not old.matches(entry.tokens):
+            if not self.matches(old, entry.tokens):
                 self.stats.verify_failures += 1
                 return False
             old.last_seen = time.time()
@@ -280,6 +332,8 @@ class InMemoryRegistry:
                     and old.prefix_digest == entry.prefix_digest):
                 # the same canonical copy seen with more of its sequence: learn its neighbours
                 old.prev_key, old.next_key, old.next_digest = entry.prev_key, entry.next_key, entry.next_digest
+                if self.table is not None:
+                    self.table.put(old, old.state is EntryState.RESIDENT)
             self._entries.move_to_end(entry.key)
             self._scope_lru[old.scope].move_to_end(entry.key)
             return False
@@ -288,12 +342,16 @@ class InMemoryRegistry:
         self._entries[entry.key] = entry
         self._scope_lru.setdefault(entry.scope, OrderedDict())[entry.key] = None
         self._bytes += entry.nbytes
+        if self.table is not None:
+            self.table.add(entry, entry.state is EntryState.RESIDENT)
         self._count(entry.scope, 1)
         self.stats.inserts += 1
         self._evict_to_capacity(entry.scope)
         return True
 
     def _unlink(self, entry: ChunkEntry) -> None:
+        if self.table is not None:
+            self.table.remove(entry.key)
         lru = self._scope_lru[entry.scope]
         del lru[entry.key]
         if not lru:

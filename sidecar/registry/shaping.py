@@ -41,6 +41,10 @@ sequence at ONE delta::
 Per piece the plan keeps one row (the wire format is unchanged: a run is a sequence of rows with
 contiguous positions and one delta, ``LookupPlan.hit_segments``), so every client fetches the
 chunks of a run as before, one Fetch item per chunk, and takes rows ``[row, row + len)``.
+
+This module is the reference: ``compiled.plan_chunks`` does the same steps in one numba call
+over the registry's mirror, and tests/registry/test_compiled_lookup.py holds the two to the
+same plans.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -217,10 +219,12 @@ def test_chunk_visible_to_next_lookup(index, identity, rng):
 def test_token_verification_on_hit(index, identity, rng):
     toks = conversation(rng)
     reg(index, toks, identity)
-    # Corrupt a stored entry's tokens: the key still matches, the verification must refuse it.
+    # A 64-bit collision: other tokens registered under a prompt chunk's key. The key still
+    # matches, the verification must refuse it.
     key = index.registry.keys_lru()[1]
     e = index.registry.peek(key)
-    e.tokens = bytes(len(e.tokens))
+    index.registry.delete(key)
+    index.registry.insert(dataclasses.replace(e, tokens=bytes(len(e.tokens))))
     plan = index.lookup(q(toks, identity))
     plan.check_tiling(len(toks))
     assert key not in {s.chunk_hash for s in plan.hits()}
