@@ -92,8 +92,12 @@ class Case:
 
 
 def _threads(n: int) -> None:
-    torch.set_num_threads(n)
+    # numba first: its first set_num_threads starts its OpenMP thread pool, which resets
+    # torch's intra-op thread count to the core count (before this order, the first
+    # one-thread pass timed copy_ on two threads).
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    torch.set_num_threads(n)
+    assert torch.get_num_threads() == n, f"torch runs {torch.get_num_threads()} threads, not {n}"
 
 
 def build_cases(device: str) -> list[Case]:

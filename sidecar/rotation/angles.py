@@ -24,7 +24,7 @@ import torch
 
 from sidecar.rotation.spec import RopeSpec
 
-__all__ = ["Delta", "RotationTable", "as_delta_tensor", "cos_sin", "delta_tables", "rotation_table"]
+__all__ = ["Delta", "RotationTable", "as_delta_tensor", "cos_sin", "delta_arrays", "delta_tables", "rotation_table"]
 
 #: What callers may pass as a delta: a Python/NumPy integer or an integer tensor.
 Delta = int | torch.Tensor
@@ -75,14 +75,30 @@ def _scalar_table_for(inv_freq: tuple[float, ...], delta: int) -> "RotationTable
     return RotationTable(cos=cos, sin=sin, index=None)
 
 
+def delta_arrays(spec: RopeSpec, delta: int) -> tuple[np.ndarray, np.ndarray]:
+    """``_scalar_table(spec, delta)``'s fp32 ``cos``/``sin`` ``[1, half]`` as numpy arrays
+    (read-only by contract; they share the memoised table's memory)."""
+    return _scalar_arrays_for(spec.inv_freq, delta)
+
+
 def delta_tables(spec: RopeSpec, deltas: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """fp32 ``cos``/``sin`` ``[len(deltas), half]`` (numpy, contiguous), one row per delta, from
     the same memoised rows scalar-delta calls use (so a batched rotation has the same bits as
     one call per chunk)."""
-    tables = [_scalar_table(spec, d) for d in deltas]
-    if len(tables) == 1:
-        return tables[0].cos.numpy(), tables[0].sin.numpy()
-    return np.concatenate([x.cos.numpy() for x in tables]), np.concatenate([x.sin.numpy() for x in tables])
+    inv_freq = spec.inv_freq
+    rows = [_scalar_arrays_for(inv_freq, d) for d in deltas]
+    if len(rows) == 1:
+        return rows[0]
+    return np.concatenate([c for c, _ in rows]), np.concatenate([s for _, s in rows])
+
+
+# The CPU kernels take numpy arrays; Tensor.numpy() costs ~1 us (2-3 us right after a kernel
+# has evicted the interpreter from L2) and a call needs two per distinct delta, so the numpy
+# views are memoised next to the tables (same bound).
+@functools.lru_cache(maxsize=4096)
+def _scalar_arrays_for(inv_freq: tuple[float, ...], delta: int) -> tuple[np.ndarray, np.ndarray]:
+    table = _scalar_table_for(inv_freq, delta)
+    return table.cos.numpy(), table.sin.numpy()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,8 +12,10 @@ than in work; here the rotary parts of all payloads become one list of segments:
 and the fused CPU kernel rotates all of them in place in one call (``cpu.rotate_segments_cpu_``:
 the parallel kernel, or the serial one for small batches). Results are bit-identical to
 rotating each part with ``rotate_keys`` (same fp32 cos/sin table rows, same expression order,
-one rounding). Segment addresses come from ``Tensor.data_ptr()`` and the layout's byte offsets,
-computed with numpy per payload (no per-layer or per-token Python).
+one rounding). Segment addresses come from ``Tensor.data_ptr()`` and the layout's byte offsets:
+the kernel gets one pointer, token count and table row per payload and the layout's offsets,
+and forms each segment's address itself (no per-layer or per-token Python, no per-segment
+arrays).
 
 Where the fused kernel cannot run (CUDA buffers, fp8 or other dtypes, misaligned parts, numba
 missing) each part goes through ``rotate_keys`` instead: same results, one call per part.
@@ -57,14 +59,16 @@ class _RotaryGroup:
     offsets: np.ndarray  # int64 [num rotary parts over all layers]
     keys_per_token: int
     bytes_per_token: int  # of one part
+    offsets_or: int  # bitwise OR of offsets: a payload address p is aligned to w if (p | this) % w == 0
 
 
-_GROUPS: dict[str, tuple[_RotaryGroup, ...]] = {}
+_GROUPS: dict[tuple[str, int], tuple[int, tuple[_RotaryGroup, ...]]] = {}
 
 
-def _groups(layout: KVLayout, key_dim: int) -> tuple[_RotaryGroup, ...]:
-    """The layout's rotary parts grouped by (dtype, keys per token); memoised per layout."""
-    key = f"{layout.fingerprint()}:{key_dim}"
+def _groups(layout: KVLayout, key_dim: int) -> tuple[int, tuple[_RotaryGroup, ...]]:
+    """``layout.bytes_per_token`` and the layout's rotary parts grouped by (dtype, keys per
+    token); memoised per layout."""
+    key = (layout.fingerprint(), key_dim)
     got = _GROUPS.get(key)
     if got is not None:
         return got
@@ -86,12 +90,21 @@ def _groups(layout: KVLayout, key_dim: int) -> tuple[_RotaryGroup, ...]:
         keys = int(np.prod(shape[:-1], dtype=np.int64))
         part = next(p for p in layout.parts if p.rotary and p.dtype == dtype and p.shape == shape)
         out.append(_RotaryGroup(dtype=getattr(torch, dtype), offsets=np.asarray(offs, dtype=np.int64),
-                                keys_per_token=keys, bytes_per_token=part.bytes_per_token))
-    groups = tuple(out)
+                                keys_per_token=keys, bytes_per_token=part.bytes_per_token,
+                                offsets_or=int(np.bitwise_or.reduce(np.asarray(offs, dtype=np.int64)))))
+    got = (layout.bytes_per_token, tuple(out))
     if len(_GROUPS) >= 256:  # layouts are few per deployment; bound it anyway
         _GROUPS.clear()
-    _GROUPS[key] = groups
-    return groups
+    _GROUPS[key] = got
+    return got
+
+
+def _aligned(ptr_or: int, p: np.ndarray, n: np.ndarray, g: _RotaryGroup, width: int) -> bool:
+    """Whether every segment address ``p[i] + n[i] * g.offsets[j]`` is a multiple of
+    ``width``; ``ptr_or`` is the bitwise OR of ``p`` (the usual, cheap answer)."""
+    if (ptr_or | g.offsets_or) % width == 0:
+        return True
+    return not ((p[:, None] + n[:, None] * g.offsets[None, :]) % width).any()
 
 
 def rotate_payloads_(
@@ -115,59 +128,61 @@ def rotate_payloads_(
       non-integer delta. Checked before anything is written.
     """
     t0 = time.perf_counter()
-    per_token = layout.bytes_per_token
-    groups = _groups(layout, spec.key_dim)
+    # Python here is per item, not per segment: at ~1 us per item hot and 2-3x that right
+    # after the kernel has evicted the interpreter from L2, it is what a batched call costs
+    # beyond the kernel (16 chunks of 32K-token bf16 k_pe: ~0.3 ms of kernel).
+    per_token, groups = _groups(layout, spec.key_dim)
     moving: list[int] = []  # items with a non-zero delta
     ptrs: list[int] = []
     ntok: list[int] = []
     trow: list[int] = []
     row_of: dict[int, int] = {}  # distinct delta -> table row
-    cuda = False
+    on_cpu = True
+    ptr_or = 0
     for i, (payload, num_tokens, delta) in enumerate(items):
-        if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
+        if not isinstance(payload, torch.Tensor) or payload.dtype is not torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
             raise TypeError(f"items[{i}].payload must be a contiguous 1-D uint8 tensor")
-        if isinstance(delta, bool) or not isinstance(delta, (int, np.integer)):
+        if type(delta) is not int and (isinstance(delta, bool) or not isinstance(delta, (int, np.integer))):
             raise TypeError(f"items[{i}].delta must be an int, got {type(delta).__name__}")
         if num_tokens <= 0 or payload.numel() != num_tokens * per_token:
             raise ValueError(f"items[{i}].payload has {payload.numel()} bytes; kv_layout x {num_tokens} tokens needs "
                              f"{num_tokens * per_token}")
         if delta:
-            cuda = cuda or payload.device.type != "cpu"
+            on_cpu = on_cpu and payload.is_cpu
             moving.append(i)
-            ptrs.append(payload.data_ptr())
+            ptr = payload.data_ptr()
+            ptr_or |= ptr
+            ptrs.append(ptr)
             ntok.append(num_tokens)
             trow.append(row_of.setdefault(int(delta), len(row_of)))
     if not moving:
         return PayloadRotation(0, time.perf_counter() - t0, 0, 0)
-    p = np.array(ptrs, dtype=np.int64)
-    n = np.array(ntok, dtype=np.int64)
+    p, n, t = np.array((ptrs, ntok, trow), dtype=np.int64)
     if len(moving) > 1:
-        order = np.argsort(p, kind="stable")
-        if (p[order][1:] < (p[order] + n[order] * per_token)[:-1]).any():
+        order = p.argsort()
+        ps = p[order]
+        if (ps[1:] < (ps + n[order] * per_token)[:-1]).any():
             raise ValueError("items: two payloads share memory (a buffer listed twice would be rotated twice)")
-    t = np.array(trow, dtype=np.int64)
     interleaved = spec.pairing is Pairing.INTERLEAVED
+    tokens = sum(ntok)
     rotated = kernel_calls = fallback_calls = 0
     tables = None
     for g in groups:
-        parts = len(g.offsets)
-        addrs = (p[:, None] + n[:, None] * g.offsets[None, :]).reshape(-1)
-        width = g.dtype.itemsize * (2 if interleaved else 1)
-        fused = (
-            not cuda
-            and not (addrs % width).any()
-            and (not interleaved or (spec.key_dim % 2 == 0 and spec.rotary_offset % 2 == 0))
+        size = g.dtype.itemsize
+        pairs = _aligned(ptr_or, p, n, g, 2 * size)
+        fused = on_cpu and (pairs if interleaved else _aligned(ptr_or, p, n, g, size)) and (
+            not interleaved or (spec.key_dim % 2 == 0 and spec.rotary_offset % 2 == 0)
         )
         if fused:
             if tables is None:
                 # The same memoised fp32 rows a per-chunk rotate_keys(delta) uses: same bits.
                 tables = delta_tables(spec, list(row_of))
-            rows = np.repeat(n * g.keys_per_token, parts)
-            fused = cpu.rotate_segments_cpu_(addrs, rows, np.repeat(t, parts), *tables, g.dtype, spec, parallel=parallel)
+            fused = cpu.rotate_segments_cpu_(p, n, t, g.offsets, g.keys_per_token, *tables, g.dtype, spec,
+                                             aligned=pairs, parallel=parallel)
             kernel_calls += int(fused)
         if not fused:
             fallback_calls += _rotate_parts(items, moving, g, spec)
-        rotated += int(n.sum()) * g.bytes_per_token * parts
+        rotated += tokens * g.bytes_per_token * len(g.offsets)
     return PayloadRotation(rotated, time.perf_counter() - t0, kernel_calls, fallback_calls)
 
 

@@ -112,6 +112,35 @@ def test_misaligned_and_unfused_parts_fall_back_with_the_same_result():
     assert torch.equal(p, want) and done.fallback_calls == 2 and done.kernel_calls == 0
 
 
+@pytest.mark.parametrize("pairing", list(Pairing))
+def test_bf16_keys_two_bytes_off_a_word_boundary(pairing, monkeypatch):
+    """A 2-byte part before a bf16 k_pe puts the key 2 bytes past a 4-byte boundary in chunks
+    of an odd length: HALF pairing then rotates element by element (one fused call for all
+    chunks), INTERLEAVED part by part; all-even chunk lengths keep the word path. Same bits
+    as the per-chunk path either way."""
+    from sidecar.rotation import cpu
+
+    spec = make_spec(64, 64, "trailing", pairing)
+    layout = KVLayout(num_layers=3, parts=(KVPart(name="scale", shape=(1,), dtype="bfloat16"),
+                                           KVPart(name="k_pe", shape=(1, 64), dtype="bfloat16", rotary=True)))
+    modes = []
+    real_mode = cpu._mode
+    monkeypatch.setattr(cpu, "_mode", lambda *a: modes.append(real_mode(*a)) or modes[-1])
+    gen = torch.Generator().manual_seed(7)
+    for chunks in ([(8, 300), (6, -5)], [(8, 300), (7, -5), (1, 12)]):
+        payloads = [random_payload(layout, n, torch.bfloat16, gen) for n, _ in chunks]
+        want = [per_part(p, layout, n, d, spec) for p, (n, d) in zip(payloads, chunks)]
+        modes.clear()
+        done = rotate_payloads_([(p, n, d) for p, (n, d) in zip(payloads, chunks)], layout, spec)
+        assert all(torch.equal(p, w) for p, w in zip(payloads, want))
+        odd = any(n % 2 for n, _ in chunks)
+        if pairing is Pairing.INTERLEAVED and odd:
+            assert (done.kernel_calls, done.fallback_calls) == (0, 3 * len(chunks))
+        else:
+            assert (done.kernel_calls, done.fallback_calls) == (1, 0)
+            assert modes == [cpu._INTERLEAVED if pairing is Pairing.INTERLEAVED else cpu._HALF if odd else cpu._HALF_WORDS]
+
+
 def test_zero_deltas_and_empty_batches_do_nothing():
     layout, geometry = layouts("float32")["gqa"]
     spec = make_spec(*geometry, Pairing.HALF)

@@ -139,6 +139,51 @@ def test_bad_arguments_are_caller_errors():
         rotate_keys(torch.zeros(2, 128, dtype=torch.int32), 1, spec)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_in_place_rotation_with_per_token_and_per_chunk_deltas(dtype):
+    """In place, one array is source and destination (the vectorized in-place path); same bits
+    as out of place and as the reference, scalar and per-row deltas, both pairings."""
+    gen = torch.Generator().manual_seed(11)
+    for pairing in Pairing:
+        spec = make_spec(64, 64, "trailing", pairing)
+        k = (torch.randn(300, 1, 64, generator=gen) * 3).to(dtype)
+        for delta in (9999, torch.randint(-5000, 5000, (300, 1), generator=gen),
+                      torch.randint(-50, 50, (3, 1), generator=gen).repeat_interleave(100, dim=0)):
+            want = rotate_keys_native(k, delta, spec)
+            kc = k.clone()
+            assert rotate_keys(kc, delta, spec, out=kc) is kc
+            assert_bits_equal(kc, want)
+
+
+def test_bf16_half_pairing_takes_the_word_path_only_where_it_applies():
+    """bf16 HALF pairing reads two pairs per 32-bit word when the rotary slice, the rows and
+    the buffers allow it (``_HALF_WORDS``) and element by element otherwise (odd pair count,
+    odd rotary offset, a buffer starting at an odd element); every case matches the
+    reference bit for bit."""
+    k_pe = make_spec(64, 64, "trailing", Pairing.HALF)
+    assert cpu._mode(k_pe, torch.bfloat16, True) == cpu._HALF_WORDS
+    assert cpu._mode(k_pe, torch.bfloat16, False) == cpu._HALF
+    assert cpu._mode(k_pe, torch.float32, True) == cpu._HALF
+    assert cpu._mode(make_spec(64, 64, "trailing", Pairing.INTERLEAVED), torch.bfloat16, True) == cpu._INTERLEAVED
+    gen = torch.Generator().manual_seed(12)
+    cases = [
+        (k_pe, 0),  # word path
+        (make_spec(22, 64, "leading", Pairing.HALF), 0),  # 11 pairs: odd half
+        (make_spec(64, 65, "trailing", Pairing.HALF), 0),  # rotary offset 1, odd key_dim
+        (k_pe, 1),  # the buffer starts 2 bytes past a 4-byte boundary
+        (make_spec(32, 96, "trailing", Pairing.HALF), 0),  # offset 64, pass-through copied
+    ]
+    for spec, skip in cases:
+        base = (torch.randn(33 * spec.key_dim + 1, generator=gen) * 5).to(torch.bfloat16)
+        k = base[skip : skip + 33 * spec.key_dim].view(33, spec.key_dim)
+        for delta in (-31337, torch.randint(-9000, 9000, (33,), generator=gen)):
+            want = rotate_keys_native(k, delta, spec)
+            assert_bits_equal(cpu.rotate_keys_cpu(k, delta, spec), want)
+            kc = base.clone()[skip : skip + 33 * spec.key_dim].view(33, spec.key_dim)
+            cpu.rotate_keys_cpu(kc, delta, spec, out=kc)
+            assert_bits_equal(kc, want)
+
+
 def test_composition_closure():
     """One rotation by a + b equals two rotations, within fp32 rounding (closure)."""
     spec = make_spec(128, 128, "leading", Pairing.HALF)
