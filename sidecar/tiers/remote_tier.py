@@ -52,18 +52,31 @@ class RemoteTier:
     tests/faults/test_redis_kill.py). So each new connection is proven first: a probe key is
     written, found and deleted (SET, EXISTS, DEL) before it serves; until then calls fail as
     timeouts, which opens the tier's breaker, and the next call reconnects.
+
+    A replaced connection is closed completely before its successor opens. LMCache 0.5.6's
+    native client can still write to its eventfd while it closes ("eventfd write failed"); a
+    successor opened meanwhile may be handed that fd number for its socket, and those 8 bytes
+    then desync it, so the tier kept reconnecting for as long as 30 s after a Redis restart
+    (tests/faults/test_redis_kill.py). Replacement runs on a background thread; calls made
+    meanwhile fail as timeouts (the breaker's business) instead of blocking an RPC on the close.
     """
 
     tier = Tier.REMOTE
 
-    def __init__(self, *, url: str, capacity_bytes: int, namespace: str, workers: int, timeout_s: float) -> None:
+    def __init__(
+        self, *, url: str, capacity_bytes: int, namespace: str, workers: int, timeout_s: float,
+        close_timeout_s: float = 5.0,
+    ) -> None:
         self._endpoint = RemoteEndpoint.parse(url)
         self._workers = workers
         self.capacity_bytes = capacity_bytes
         self._namespace = namespace
         self._timeout = timeout_s
-        self._io_lock = threading.Lock()
-        self._io = self._connect()
+        self._close_timeout = close_timeout_s
+        self._io_lock = threading.Condition()
+        self._io: L2Driver | None = self._connect()  # None while a replacement is under way
+        self._closed = False
+        self._replacer: threading.Thread | None = None
         self._proven: L2Driver | None = None  # the connection whose probe succeeded
         self._prove_lock = threading.Lock()
         self._probe = torch.zeros(8, dtype=torch.uint8)
@@ -73,10 +86,12 @@ class RemoteTier:
         """The current connection once it has proven it reaches Redis; ``TimeoutError`` (after
         replacing it) when it cannot."""
         io = self._io
-        if io is self._proven:
+        if io is not None and io is self._proven:
             return io
         with self._prove_lock:  # one prover at a time: concurrent probes of one key would race
             io = self._io
+            if io is None:
+                raise TimeoutError("remote tier: reconnecting")
             if io is self._proven:
                 return io
             probe = self._okey(_PROBE_KEY, _PROBE)
@@ -97,14 +112,46 @@ class RemoteTier:
         )
         return L2Driver(adapter, "remote")
 
-    def _reconnect(self, bad: L2Driver) -> None:
+    def _reconnect(self, bad: L2Driver | None) -> None:
+        """Start replacing ``bad`` (close it, then connect) unless another caller already did."""
         with self._io_lock:
-            if self._io is not bad:
-                return  # another caller already replaced it
-            self._io = self._connect()
+            if bad is None or self._io is not bad or self._closed:
+                return
+            self._io = None
             self.reconnects += 1
-        logger.warning("remote tier: RESP connection out of sync or down; reconnected")
-        threading.Thread(target=bad.close, args=(self._timeout,), name="kv-sidecar-resp-close", daemon=True).start()
+            self._replacer = threading.Thread(
+                target=self._replace, args=(bad,), name="kv-sidecar-resp-reconnect", daemon=True
+            )
+            self._replacer.start()
+        logger.warning("remote tier: RESP connection out of sync or down; reconnecting")
+
+    def _replace(self, bad: L2Driver) -> None:
+        if not bad.close(self._close_timeout):
+            logger.warning("remote tier: old connection still closing; opening the next one anyway")
+        while True:
+            try:
+                io = self._connect()
+                break
+            except Exception:  # noqa: BLE001 - keep trying until the tier closes; calls fail meanwhile
+                logger.exception("remote tier: connecting to %s failed; retrying", self._endpoint.host)
+                with self._io_lock:
+                    if self._io_lock.wait_for(lambda: self._closed, self._timeout):
+                        return
+        with self._io_lock:
+            if self._closed:
+                io.close(self._close_timeout)
+                return
+            self._io = io
+            self._io_lock.notify_all()
+
+    def _next_io(self) -> L2Driver:
+        """The connection that replaces the one just given up (waits for the replacement)."""
+        with self._io_lock:
+            if not self._io_lock.wait_for(lambda: self._io is not None or self._closed, 2 * self._close_timeout):
+                raise TimeoutError("remote tier: reconnect did not finish")
+            if self._io is None:
+                raise TimeoutError("remote tier: closed")
+            return self._io
 
     def _okey(self, key: ChunkKey, group: int = _BODY) -> ObjectKey:
         return ObjectKey(chunk_hash=key, model_name=self._namespace, kv_rank=0, object_group_id=group)
@@ -153,7 +200,7 @@ class RemoteTier:
                 retry.append(i)
         for i in retry:
             self._reconnect(io)
-            io = self._io
+            io = self._next_io()
             again = io.exists([okeys[i]], self._timeout)
             if not again:  # gone (or no answer): a miss, not a corrupt object
                 continue
@@ -210,5 +257,11 @@ class RemoteTier:
 
     def close(self, timeout: float) -> bool:
         with self._io_lock:
-            io = self._io
-        return io.close(timeout)
+            self._closed = True
+            io, self._io = self._io, None
+            replacer = self._replacer
+            self._io_lock.notify_all()
+        if replacer is not None:  # it closes the connection it was opening itself
+            replacer.join(timeout)
+        ok = replacer is None or not replacer.is_alive()
+        return (io.close(timeout) if io is not None else True) and ok

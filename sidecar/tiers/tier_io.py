@@ -120,6 +120,7 @@ class TierIO:
                 namespace=config.namespace,
                 workers=config.remote_workers,
                 timeout_s=config.io_timeout_s,
+                close_timeout_s=config.close_timeout_s,
             )
 
     def has(self, tier: Tier) -> bool:

@@ -220,3 +220,52 @@ def test_redis_that_stops_answering_times_out_as_a_miss(make_store, tmp_path, la
         assert torch.equal(_after_backoff(lambda: store.get(key(1))).payload, make_payload(1, payload_size))
     finally:
         server.stop()
+
+
+def test_a_replaced_connection_is_closed_before_the_next_one_opens(redis_url, namespace, monkeypatch) -> None:
+    # LMCache 0.5.6's native client can write to its eventfd while it closes; a connection opened
+    # meanwhile may get that fd number for its socket and be desynced by the write (the Redis-kill
+    # fault test once reconnected for 30 s). So the old connection is closed completely first, and
+    # calls made meanwhile fail at once instead of waiting on the close.
+    import threading
+
+    from sidecar.tiers.l2_tiers import L2Driver
+    from sidecar.tiers.remote_tier import RemoteTier
+
+    events: list[tuple[str, int]] = []
+    release = threading.Event()
+    real_close, real_connect = L2Driver.close, RemoteTier._connect
+
+    def close(self, timeout: float) -> bool:
+        events.append(("close", id(self)))
+        release.wait(30)
+        ok = real_close(self, timeout)
+        events.append(("closed", id(self)))
+        return ok
+
+    def connect(self) -> L2Driver:
+        io = real_connect(self)
+        events.append(("open", id(io)))
+        return io
+
+    monkeypatch.setattr(L2Driver, "close", close)
+    monkeypatch.setattr(RemoteTier, "_connect", connect)
+    tier = RemoteTier(url=redis_url, capacity_bytes=1 << 20, namespace=namespace, workers=1, timeout_s=5.0)
+    obj = torch.randint(0, 256, (HEADER_NBYTES + 4096,), dtype=torch.uint8)
+    try:
+        assert tier.store(key(1), obj)
+        first = events[0][1]
+        tier.suspect()  # a read failed verification: replace the connection
+        assert not tier.store(key(2), obj)  # while the old one closes: refused at once
+        with pytest.raises(TimeoutError):
+            tier.load_many([key(1)], [obj.numel()])
+        assert tier.reconnects == 1
+        release.set()
+        second = id(tier._next_io())
+        assert events == [("open", first), ("close", first), ("closed", first), ("open", second)]
+        assert tier.store(key(2), obj)
+        got = tier.load_many([key(1), key(2)], [obj.numel()] * 2)
+        assert all(torch.equal(g, obj) for g in got)
+    finally:
+        release.set()
+        assert tier.close(5.0)
