@@ -58,9 +58,11 @@ LMCache 0.5.6 pitfalls (verified here) and how the store handles them
    GET is preceded by a batched EXISTS and uses the exact size (the header is fixed-size, and a
    header copy is stored under object group 1 for sidecars that never saw the chunk); any
    failure replaces the connection. Keys this store is deleting are not looked up meanwhile.
-   The native client can still write to its eventfd while it closes ("eventfd write failed"),
-   so a replaced connection is closed completely before the next one opens: a socket that got
-   the freed fd number would otherwise receive those bytes and desync in turn.
+   A refused connect in the native client (``WorkerConn::connect``) closes its socket and its
+   destructor closes the same fd number again, by then possibly another connection's (redis-py,
+   gRPC): two owners of one fd cross-talk. So the native client connects only after a PING from
+   Python succeeds, and a replaced connection is closed completely before the next one opens
+   (``sidecar.tiers.remote_tier``; found by the Redis-kill fault test).
    Run the remote Redis with ``maxmemory-policy noeviction`` (capacity is ``remote_bytes``):
    a key evicted between EXISTS and GET costs one ``io_timeout_s`` stall.
 8. (found here) ``fs_native`` keeps no index and cannot list keys; storing an existing key

@@ -15,6 +15,7 @@ import logging
 import threading
 from collections.abc import Sequence
 
+import redis
 import torch
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.l2_adapters import create_l2_adapter
@@ -31,6 +32,8 @@ _BODY = 0
 _HEADER = 1
 _PROBE = 2  # object group of the liveness probe key (never a chunk's)
 _PROBE_KEY = b"kv-sidecar-probe"
+_RETRY_INITIAL_S = 0.05  # PING back-off while Redis is down
+_RETRY_MAX_S = 1.0
 
 
 class RemoteTier:
@@ -53,12 +56,15 @@ class RemoteTier:
     written, found and deleted (SET, EXISTS, DEL) before it serves; until then calls fail as
     timeouts, which opens the tier's breaker, and the next call reconnects.
 
-    A replaced connection is closed completely before its successor opens. LMCache 0.5.6's
-    native client can still write to its eventfd while it closes ("eventfd write failed"); a
-    successor opened meanwhile may be handed that fd number for its socket, and those 8 bytes
-    then desync it, so the tier kept reconnecting for as long as 30 s after a Redis restart
-    (tests/faults/test_redis_kill.py). Replacement runs on a background thread; calls made
-    meanwhile fail as timeouts (the breaker's business) instead of blocking an RPC on the close.
+    The native client must never connect while Redis is down: LMCache 0.5.6's
+    ``WorkerConn::connect`` closes its socket when the connect is refused and its destructor
+    then closes the same fd number again, by then possibly another connection's (redis-py's
+    shared registry, gRPC, a sibling worker). Two owners of one fd number cross-talk: the Redis-
+    kill fault test saw the shared registry's pipeline read a chunk header that a native GET had
+    asked for. So a connection opens only after a PING from Python succeeds, a replaced one is
+    closed completely first, and both happen on a background thread that retries (with
+    back-off) until Redis answers; calls made meanwhile fail as timeouts (the breaker's
+    business) instead of waiting.
     """
 
     tier = Tier.REMOTE
@@ -74,13 +80,19 @@ class RemoteTier:
         self._timeout = timeout_s
         self._close_timeout = close_timeout_s
         self._io_lock = threading.Condition()
-        self._io: L2Driver | None = self._connect()  # None while a replacement is under way
+        self._io: L2Driver | None = None  # None until connected, and while being replaced
         self._closed = False
         self._replacer: threading.Thread | None = None
         self._proven: L2Driver | None = None  # the connection whose probe succeeded
         self._prove_lock = threading.Lock()
         self._probe = torch.zeros(8, dtype=torch.uint8)
         self.reconnects = 0
+        if self._reachable():
+            self._io = self._connect()
+        else:
+            logger.warning("remote tier: Redis at %s:%d not reachable; connecting in the background",
+                           self._endpoint.host, self._endpoint.port)
+            self._start_replacer(None)
 
     def _live_io(self) -> L2Driver:
         """The current connection once it has proven it reaches Redis; ``TimeoutError`` (after
@@ -112,6 +124,18 @@ class RemoteTier:
         )
         return L2Driver(adapter, "remote")
 
+    def _reachable(self) -> bool:
+        """Whether Redis answers a PING (from Python; see the class docstring for why)."""
+        ep = self._endpoint
+        try:
+            with redis.Redis(
+                host=ep.host, port=ep.port, username=ep.username or None, password=ep.password or None,
+                socket_timeout=self._timeout, socket_connect_timeout=self._timeout,
+            ) as client:
+                return bool(client.ping())
+        except (redis.RedisError, OSError):
+            return False
+
     def _reconnect(self, bad: L2Driver | None) -> None:
         """Start replacing ``bad`` (close it, then connect) unless another caller already did."""
         with self._io_lock:
@@ -119,35 +143,43 @@ class RemoteTier:
                 return
             self._io = None
             self.reconnects += 1
-            self._replacer = threading.Thread(
-                target=self._replace, args=(bad,), name="kv-sidecar-resp-reconnect", daemon=True
-            )
-            self._replacer.start()
+            self._start_replacer(bad)
         logger.warning("remote tier: RESP connection out of sync or down; reconnecting")
 
-    def _replace(self, bad: L2Driver) -> None:
-        if not bad.close(self._close_timeout):
+    def _start_replacer(self, bad: L2Driver | None) -> None:
+        self._replacer = threading.Thread(
+            target=self._replace, args=(bad,), name="kv-sidecar-resp-reconnect", daemon=True
+        )
+        self._replacer.start()
+
+    def _replace(self, bad: L2Driver | None) -> None:
+        if bad is not None and not bad.close(self._close_timeout):
             logger.warning("remote tier: old connection still closing; opening the next one anyway")
+        wait = _RETRY_INITIAL_S
         while True:
+            io = None
             try:
-                io = self._connect()
-                break
+                if self._reachable():
+                    io = self._connect()
             except Exception:  # noqa: BLE001 - keep trying until the tier closes; calls fail meanwhile
                 logger.exception("remote tier: connecting to %s failed; retrying", self._endpoint.host)
-                with self._io_lock:
-                    if self._io_lock.wait_for(lambda: self._closed, self._timeout):
-                        return
-        with self._io_lock:
-            if self._closed:
-                io.close(self._close_timeout)
-                return
-            self._io = io
-            self._io_lock.notify_all()
+            with self._io_lock:
+                if self._closed:
+                    break
+                if io is not None:
+                    self._io = io
+                    self._io_lock.notify_all()
+                    return
+                self._io_lock.wait_for(lambda: self._closed, wait)
+            wait = min(2 * wait, _RETRY_MAX_S)
+        if io is not None:
+            io.close(self._close_timeout)
 
     def _next_io(self) -> L2Driver:
-        """The connection that replaces the one just given up (waits for the replacement)."""
+        """The connection that replaces the one just given up: waits one I/O timeout plus the
+        old one's close (LMCache's demux thread notices a close within 0.5 s)."""
         with self._io_lock:
-            if not self._io_lock.wait_for(lambda: self._io is not None or self._closed, 2 * self._close_timeout):
+            if not self._io_lock.wait_for(lambda: self._io is not None or self._closed, self._timeout + 1.0):
                 raise TimeoutError("remote tier: reconnect did not finish")
             if self._io is None:
                 raise TimeoutError("remote tier: closed")

@@ -269,3 +269,48 @@ def test_a_replaced_connection_is_closed_before_the_next_one_opens(redis_url, na
     finally:
         release.set()
         assert tier.close(5.0)
+
+
+def test_the_native_client_never_connects_to_a_redis_that_is_down(restartable_redis, monkeypatch) -> None:
+    # LMCache 0.5.6's WorkerConn::connect closes its socket on a refused connect and its destructor
+    # closes the same fd number again, possibly another connection's by then (the Redis-kill fault
+    # test saw the shared registry read a chunk header a native GET asked for). So the tier opens a
+    # native connection only after a PING from Python succeeds, and retries in the background.
+    import redis
+
+    from sidecar.tiers.remote_tier import RemoteTier
+
+    url = restartable_redis.url
+    opened_while: list[bool] = []
+    real_connect = RemoteTier._connect
+
+    def connect(self):
+        try:
+            up = bool(redis.Redis.from_url(url, socket_timeout=1).ping())
+        except redis.ConnectionError:
+            up = False
+        opened_while.append(up)
+        return real_connect(self)
+
+    monkeypatch.setattr(RemoteTier, "_connect", connect)
+    restartable_redis.kill()
+    tier = RemoteTier(url=url, capacity_bytes=1 << 20, namespace="down", workers=2, timeout_s=5.0)
+    obj = torch.randint(0, 256, (HEADER_NBYTES + 1024,), dtype=torch.uint8)
+    try:
+        assert not tier.store(key(1), obj)  # refused at once: no connection yet
+        with pytest.raises(TimeoutError):
+            tier.load_many([key(1)], [obj.numel()])
+        assert opened_while == []
+        restartable_redis.start()
+        tier._next_io()  # the background connect, once Redis answers
+        assert tier.store(key(1), obj)
+        assert torch.equal(tier.load_many([key(1)], [obj.numel()])[0], obj)
+        restartable_redis.kill()  # down again: the connection fails and is replaced in the background
+        assert not tier.store(key(2), obj)
+        assert tier.reconnects == 1
+        restartable_redis.start()
+        tier._next_io()
+        assert tier.store(key(2), obj)
+        assert opened_while == [True, True]
+    finally:
+        assert tier.close(5.0)
