@@ -139,7 +139,9 @@ class StoreResult:
 class FetchedKV:
     """One fetched chunk: ``data`` is its payload (``KVLayout`` order) for ``num_tokens``
     tokens; when ``rotated`` its rotary parts sit at ``target_pos``, else at ``source_pos``
-    (rotate by ``delta`` yourself). ``ok`` is False for a miss: prefill those tokens."""
+    (rotate by ``delta`` yourself). ``ok`` is False for a miss: prefill those tokens.
+    ``data`` is a writable memoryview the caller owns; the payloads of one call share 16 MiB
+    blocks, so keeping one alive keeps its block (copy what you keep for long)."""
 
     index: int
     chunk_hash: int
@@ -149,7 +151,7 @@ class FetchedKV:
     delta: int = 0
     rotated: bool = False
     tier: str = ""
-    data: bytearray = field(default_factory=bytearray)
+    data: memoryview = field(default_factory=lambda: memoryview(bytearray()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +173,7 @@ class FetchedRun:
     rotated: bool
     tier: str
     version: int
-    data: bytearray = field(default_factory=bytearray)
+    data: memoryview = field(default_factory=lambda: memoryview(bytearray()))
 
 
 #: Payload bytes per Store/Fetch message (gRPC messages stay well under the 64 MiB limit).
@@ -352,16 +354,41 @@ def _item_hash(it: "tuple[int, int] | FetchSpec") -> int:
     return it.chunk_hash if isinstance(it, FetchSpec) else it[0]
 
 
+#: Payload buffers are carved out of numpy blocks of at least this size: numpy backs allocations
+#: of 4 MiB and more with transparent huge pages, so filling one takes a few page faults instead
+#: of one per 4 KiB. A fresh ``bytearray`` per chunk made the client's copy of an 8K-token Fetch
+#: (32 MiB) cost ~25 ms instead of ~7 on the 2-core VM (issue 14, TTFT overhead).
+_PAYLOAD_BLOCK = 16 << 20
+
+
+class _PayloadArena:
+    """Writable payload buffers for one Fetch call, carved from shared numpy blocks (a block is
+    freed when no buffer cut from it is referenced any more)."""
+
+    def __init__(self) -> None:
+        self._block = memoryview(bytearray())
+        self._off = 0
+
+    def take(self, n: int) -> memoryview:
+        if self._off + n > len(self._block):
+            self._block = memoryview(np.empty(max(n, _PAYLOAD_BLOCK), dtype=np.uint8))
+            self._off = 0
+        out = self._block[self._off : self._off + n]
+        self._off += n
+        return out
+
+
 class _FetchAssembler:
     """Joins a Fetch response stream into ``FetchedKV`` results, in item order (or, without
     ``items``, a FetchSession stream into ``FetchedRun`` results, in position order); each
-    payload is copied once, into a writable buffer the caller owns."""
+    payload is copied once, into a writable buffer the caller owns (``_PayloadArena``)."""
 
     def __init__(self, items: Sequence["tuple[int, int] | FetchSpec"] | None = None) -> None:
         self.items = items
         self.out: list[Any] = []
         self._first: _FetchFrame | None = None
         self._parts: list[memoryview] = []
+        self._arena = _PayloadArena()
 
     def feed(self, msg: _FetchFrame) -> None:
         if self._first is None:
@@ -369,7 +396,7 @@ class _FetchAssembler:
         self._parts.append(msg.data)
         if msg.last:
             f = self._first
-            data = bytearray(sum(len(p) for p in self._parts))
+            data = self._arena.take(sum(len(p) for p in self._parts))
             off = 0
             for p in self._parts:
                 data[off : off + len(p)] = p

@@ -26,7 +26,7 @@ from sidecar.errors import InvalidArgument
 from sidecar.identity import KVLayout
 from sidecar.registry.plan import FetchSpec
 from sidecar.registry.registry import ChunkEntry
-from sidecar.tiers.codec import decode_payload, payload_nbytes
+from sidecar.tiers.codec import payload_nbytes
 
 
 @dataclass(slots=True)
@@ -97,18 +97,37 @@ def expand(specs: Sequence[FetchSpec], peek: Callable[[int], ChunkEntry | None]
     return flat, groups
 
 
+def _part_widths(layout: KVLayout) -> tuple[int, ...]:
+    """Bytes per token of every (layer, part) block of a payload, in payload order."""
+    return tuple(p.bytes_per_token for _ in range(layout.num_layers) for p in layout.parts)
+
+
 def join(results: Sequence[FetchResult], rows: Sequence[tuple[int, int]], layout: KVLayout,
          num_tokens: int) -> torch.Tensor:
-    """One payload of ``num_tokens`` rows: ``rows[i]`` of ``results[i]``'s chunk, in order."""
+    """One payload of ``num_tokens`` rows: ``rows[i]`` of ``results[i]``'s chunk, in order.
+
+    A payload is one contiguous block per (layer, part), each ``n x width`` bytes, so a join is
+    byte slices: one strided numpy copy per chunk when every block has the same width (GQA),
+    else one slice per block. A span that is exactly one whole chunk is that chunk's payload."""
+    if len(results) == 1 and rows[0] == (0, results[0].entry.num_tokens):
+        return results[0].payload
     out = torch.empty(payload_nbytes(layout, num_tokens), dtype=torch.uint8)
-    dst = decode_payload(out, layout, num_tokens)
-    srcs = [decode_payload(r.payload, layout, r.entry.num_tokens) for r in results]
-    for p, view in enumerate(dst.parts):
-        pos = 0
-        for src, (a, b) in zip(srcs, rows):
-            view.tensor[pos : pos + b - a].copy_(src.parts[p].tensor[a:b])
-            pos += b - a
-    dst.write_back()
+    dst = out.numpy()
+    widths = _part_widths(layout)
+    uniform = len(set(widths)) == 1
+    pos = 0
+    for r, (a, b) in zip(results, rows, strict=True):
+        src, n, take = r.payload.numpy(), r.entry.num_tokens, b - a
+        if uniform:
+            w = widths[0]
+            dst.reshape(len(widths), num_tokens, w)[:, pos : pos + take] = src.reshape(len(widths), n, w)[:, a:b]
+        else:
+            s_off = d_off = 0
+            for w in widths:
+                dst[d_off + pos * w : d_off + (pos + take) * w] = src[s_off + a * w : s_off + b * w]
+                s_off += n * w
+                d_off += num_tokens * w
+        pos += take
     return out
 
 

@@ -183,6 +183,33 @@ async def test_fetch_misses_and_refusals(rng):
         await server.stop(0.1)
 
 
+async def test_fetched_payloads_are_writable_buffers_the_caller_owns(rng, monkeypatch):
+    # The client carves payloads out of shared blocks (sidecar.client._PayloadArena); each is
+    # still the caller's own: writable, exactly its bytes, and writing one changes no other
+    # payload and nothing on the server. A tiny block size makes chunks span several blocks.
+    import sidecar.client
+
+    monkeypatch.setattr(sidecar.client, "_PAYLOAD_BLOCK", 3 * LAYOUT.bytes_per_token * 64)
+    server, target = await start()
+    first, _ = conversation(rng, 60)
+    try:
+        async with SidecarClient(target, tenant="a") as a:
+            _, pl = await store_all(a, first)
+            items = [(h.chunk_hash, h.start) for h in (await a.lookup(first, identity=IDENT)).hits()]
+            got = await a.fetch(items, identity=IDENT, layout=LAYOUT, raw=True)
+            assert len(got) == len(pl) >= 3
+            for kv in got:
+                assert isinstance(kv.data, memoryview) and not kv.data.readonly
+                assert bytes(kv.data) == pl[kv.source_pos].numpy().tobytes()
+            got[0].data[:] = bytes(len(got[0].data))
+            for kv in got[1:]:
+                assert bytes(kv.data) == pl[kv.source_pos].numpy().tobytes()
+            again = await a.fetch(items[:1], identity=IDENT, layout=LAYOUT, raw=True)
+            assert bytes(again[0].data) == pl[again[0].source_pos].numpy().tobytes()
+    finally:
+        await server.stop(0.1)
+
+
 async def test_operator_evict_demotes(rng, tmp_path):
     server, target = await start(cpu_bytes=64 * MiB, disk_path=str(tmp_path / "kv"), disk_bytes=64 * MiB)
     toks, _ = conversation(rng, 60)
