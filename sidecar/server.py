@@ -202,6 +202,18 @@ def _add_servicer(servicer: pb_grpc.KVSidecarServicer, server: grpc.aio.Server) 
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
 
 
+def _warm_rotation() -> None:
+    from sidecar.rotation.batch import warmup as rotation_warmup
+
+    t0 = time.perf_counter()
+    try:
+        calls = rotation_warmup()
+    except Exception:  # noqa: BLE001 - a warm-up failure only moves the cost to the first Fetch
+        logger.warning("rotation kernel warm-up failed; the first rotated Fetch compiles them", exc_info=True)
+        return
+    logger.info("rotation kernels ready in %.2f s (%d kernel calls)", time.perf_counter() - t0, calls)
+
+
 # Hand-written on purpose (issue 14): protobuf's Python API cannot serialize a message around an
 # already-encoded multi-MiB bytes field without copying it; a tag + varint header is all it takes.
 _DATA_TAG = bytes([(8 << 3) | 2])  # FetchResponse.data / FetchSessionResponse.data: field 8, length-delimited
@@ -988,6 +1000,10 @@ class SidecarServer:
         self._sweeper = asyncio.get_running_loop().create_task(self.sessions.run_sweeper(), name="session-expiry")
         self._claim_sweeper = asyncio.get_running_loop().create_task(self.claims.run_sweeper(), name="claim-expiry")
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        # The rotation kernels are compiled (or loaded from numba's cache) behind the serving
+        # port: Lookups do not need them and a restart should not wait for them, but the first
+        # rotated Fetch should not pay them either (it waits for this thread if it comes first).
+        threading.Thread(target=_warm_rotation, name="kv-sidecar-rotation-warmup", daemon=True).start()
         if self.shared_registry is not None:
             await self._start_shared_registry()
         if cfg.metrics_port >= 0:

@@ -170,3 +170,15 @@ def test_bad_items_are_refused_before_anything_is_written():
     with pytest.raises(ValueError, match="rope.key_dim"):
         rotate_payloads_([(good, 8, 5)], layout, wrong_dim)
     assert torch.equal(good, keep)
+
+
+def test_warmup_compiles_every_fetch_kernel_variant():
+    # The server runs this right after it starts serving, so that the first rotated Fetch does not
+    # compile (or load) the kernels itself: every dtype, pairing, rotary placement, serial and
+    # parallel goes through the fused kernel, none through the per-part fallback.
+    from sidecar.rotation import cpu
+    from sidecar.rotation.batch import warmup
+
+    assert warmup() == 3 * 2 * 2 * 2
+    assert cpu._disabled == set()
+    assert cpu._rotate_segments_serial.signatures and cpu._rotate_segments_parallel.signatures
