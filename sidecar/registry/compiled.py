@@ -136,6 +136,20 @@ def _copy(dst, d, src, a, b):
 
 
 @numba.njit(inline="always")
+def _emit_part(F, nf, parts, nparts, R, a, b):
+    """Append pieces ``R[a:b]`` to ``F`` as one part (its end recorded in ``parts``), growing
+    either buffer as needed; returns the (possibly new) buffers and counts."""
+    while nf + b - a > F.shape[0]:
+        F = _grow(F)
+    _copy(F, nf, R, a, b)
+    nf += b - a
+    if nparts == parts.shape[0]:
+        parts = _grow1(parts)
+    parts[nparts] = nf
+    return F, nf, parts, nparts + 1
+
+
+@numba.njit(inline="always")
 def _usable(nb, scope, serve_observed, si):
     return nb >= 0 and si[nb, I_SCOPE] == scope and (serve_observed or si[nb, I_RESIDENT] != 0) and si[nb, I_LEN] > 0
 
@@ -257,14 +271,7 @@ def plan_chunks(tok, bounds, fps, prefix, epl, own_sid, shared_sid, exact_only, 
                 while i < rl:
                     if split and i > h and R[i, _ROW] == 0 and R[i, _X] == 0:
                         if i > cur and R[i - 1, _E] - R[cur, _S] >= min_hit:
-                            while nf + i - cur > F.shape[0]:
-                                F = _grow(F)
-                            _copy(F, nf, R, cur, i)
-                            nf += i - cur
-                            if nparts == parts.shape[0]:
-                                parts = _grow1(parts)
-                            parts[nparts] = nf
-                            nparts += 1
+                            F, nf, parts, nparts = _emit_part(F, nf, parts, nparts, R, cur, i)
                         if R[i, _E] - R[i, _S] <= k:
                             cur = i + 1
                             i += 1
@@ -274,14 +281,7 @@ def plan_chunks(tok, bounds, fps, prefix, epl, own_sid, shared_sid, exact_only, 
                         cur = i
                     i += 1
                 if rl > cur and R[rl - 1, _E] - R[cur, _S] >= min_hit:
-                    while nf + rl - cur > F.shape[0]:
-                        F = _grow(F)
-                    _copy(F, nf, R, cur, rl)
-                    nf += rl - cur
-                    if nparts == parts.shape[0]:
-                        parts = _grow1(parts)
-                    parts[nparts] = nf
-                    nparts += 1
+                    F, nf, parts, nparts = _emit_part(F, nf, parts, nparts, R, cur, rl)
             has_run = False
             rl = 0
         if gi == ng:

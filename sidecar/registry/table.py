@@ -67,18 +67,24 @@ def _home(key, mask):
     return np.int64((key ^ (key >> _U(31))) & _U(mask))
 
 
-@numba.njit(cache=True, nogil=True)
-def find_slot(ht_key, ht_slot, key):
-    """Slot of ``key`` (uint64), or -1."""
+@numba.njit(inline="always")
+def _probe(ht_key, ht_slot, key):
+    """Table index holding ``key``, or -1 (linear probing from its home)."""
     mask = ht_key.shape[0] - 1
     i = _home(key, mask)
     while True:
-        s = ht_slot[i]
-        if s < 0:
+        if ht_slot[i] < 0:
             return np.int64(-1)
         if ht_key[i] == key:
-            return s
+            return i
         i = (i + 1) & mask
+
+
+@numba.njit(cache=True, nogil=True)
+def find_slot(ht_key, ht_slot, key):
+    """Slot of ``key`` (uint64), or -1."""
+    i = _probe(ht_key, ht_slot, key)
+    return np.int64(-1) if i < 0 else ht_slot[i]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -97,15 +103,10 @@ def _ht_delete(ht_key, ht_slot, key):
     """Remove ``key``; returns its slot or -1. Backward-shift deletion keeps every probe chain
     unbroken without tombstones: each later entry of the cluster that may move into the hole
     (its home is not cyclically inside (hole, j]) does, and the hole moves on."""
+    i = _probe(ht_key, ht_slot, key)
+    if i < 0:
+        return np.int64(-1)
     mask = ht_key.shape[0] - 1
-    i = _home(key, mask)
-    while True:
-        s = ht_slot[i]
-        if s < 0:
-            return np.int64(-1)
-        if ht_key[i] == key:
-            break
-        i = (i + 1) & mask
     slot = ht_slot[i]
     j = i
     while True:

@@ -223,10 +223,9 @@ def warmup() -> int:
         layouts = (KVLayout.gqa(num_layers=1, num_kv_heads=1, head_dim=8, dtype=dtype),
                    KVLayout.mla(num_layers=1, kv_lora_rank=8, qk_rope_head_dim=8, dtype=dtype))
         for layout in layouts:
-            trailing = layout.parts[-1].rotary and len(layout.parts) > 1 and not layout.parts[0].rotary
+            placement = RotaryLayout.LEADING if layout.parts[0].rotary else RotaryLayout.TRAILING  # GQA / MLA
             for pairing in Pairing:
-                spec = RopeSpec(rotary_dim=8, key_dim=8, pairing=pairing, inv_freq=inv,
-                                layout=RotaryLayout.TRAILING if trailing else RotaryLayout.LEADING)
+                spec = RopeSpec(rotary_dim=8, key_dim=8, pairing=pairing, inv_freq=inv, layout=placement)
                 for parallel in (False, True):
                     payload = torch.zeros(layout.bytes_per_token * 4, dtype=torch.uint8)
                     calls += rotate_payloads_([(payload, 4, 1)], layout, spec, parallel=parallel).kernel_calls
