@@ -2,6 +2,9 @@
 
     ./dev bench fetch
 
+Every Fetch is timed twice on this checkout's sidecar, interleaved: over the gRPC stream and
+through the shared-memory data plane (``shared_memory=True``: a same-host engine's default).
+
 1. ``Fetch`` of one 16 MiB chunk (CPU tier, raw: no rotation) over loopback gRPC, as a fraction
    of a bare server-streaming RPC that sends the same bytes in the same 2 MiB messages from a
    grpc.aio server process of its own (goal: >= 50%).
@@ -97,9 +100,10 @@ CASES = {
 }
 
 
-def prepare(c: SyncSidecarClient, name: str, rng: np.random.Generator):
+def prepare(c: SyncSidecarClient, name: str, rng: np.random.Generator, shm: SyncSidecarClient | None = None):
     """Store the case's chunks (128-token anchored messages at position 0..) with payloads; return
-    the calls to time: Lookup of the shifted prompt, rotated Fetch and raw Fetch of its hits."""
+    the calls to time: Lookup of the shifted prompt, rotated Fetch and raw Fetch of its hits over
+    the stream (``c``), and with ``shm`` the same Fetches through shared-memory buffers."""
     make, chunks, shift = CASES[name]
     layout, spec = make()
     ident = CacheIdentity(model_id=name, kv_layout=layout.fingerprint(), rope_fingerprint=spec.fingerprint)
@@ -122,6 +126,9 @@ def prepare(c: SyncSidecarClient, name: str, rng: np.random.Generator):
         "fetch_rotated": lambda: c.fetch(items, identity=ident, layout=layout, rope=spec),
         "fetch_raw": lambda: c.fetch(items, identity=ident, layout=layout, raw=True),
     }
+    if shm is not None:
+        calls["fetch_rotated_shm"] = lambda: shm.fetch(items, identity=ident, layout=layout, rope=spec)
+        calls["fetch_raw_shm"] = lambda: shm.fetch(items, identity=ident, layout=layout, raw=True)
     return calls, {"chunks": chunks, "chunk_tokens": 128, "tokens": 128 * chunks, "shift": shift, "payload_mib": size / MiB}
 
 
@@ -153,6 +160,13 @@ def summarize(t: dict[str, np.ndarray], info: dict) -> dict:
         "end_to_end_p99_ms": (pct(t["lookup"], 99) + pct(t["fetch_rotated"], 99)) * 1e3,
         "rotation_overhead_ms": (pct(t["fetch_rotated"], 50) - pct(t["fetch_raw"], 50)) * 1e3,
         "fetch_rotated_gbps": size / pct(t["fetch_rotated"], 50) / 1e9,
+        **({
+            "fetch_rotated_shm_p50_ms": pct(t["fetch_rotated_shm"], 50) * 1e3,
+            "fetch_rotated_shm_p99_ms": pct(t["fetch_rotated_shm"], 99) * 1e3,
+            "fetch_raw_shm_p50_ms": pct(t["fetch_raw_shm"], 50) * 1e3,
+            "fetch_rotated_p99_ms": pct(t["fetch_rotated"], 99) * 1e3,
+            "shm_vs_stream_rotated": pct(t["fetch_rotated_shm"], 50) / pct(t["fetch_rotated"], 50),
+        } if "fetch_rotated_shm" in t else {}),
     }
 
 
@@ -185,15 +199,18 @@ def main() -> None:
              "--set", "chunker.min_size=128", "--set", "chunker.max_size=128")
     servers = {"new": None} if args.baseline is None else {"new": None, "baseline": args.baseline.resolve()}
     with contextlib.ExitStack() as stack:
-        clients = {}
+        clients, targets = {}, {}
         for srv, root in servers.items():
-            target = stack.enter_context(sidecar_process(*flags, root=root))
-            clients[srv] = stack.enter_context(SyncSidecarClient(target, tenant="bench", timeout_s=120))
+            target = targets[srv] = stack.enter_context(sidecar_process(*flags, root=root))
+            clients[srv] = stack.enter_context(SyncSidecarClient(target, tenant="bench", timeout_s=120, shared_memory=False))
+        # The shared-memory data plane (same-host engines), on this checkout's sidecar only.
+        shm_client = stack.enter_context(SyncSidecarClient(targets["new"], tenant="bench", timeout_s=120,
+                                                           shared_memory=True))
         rows: dict[str, dict] = {srv: {} for srv in servers}
         for name in CASES:
             calls, info = {}, {}
             for srv, c in clients.items():
-                calls[srv], info = prepare(c, name, np.random.default_rng(0))
+                calls[srv], info = prepare(c, name, np.random.default_rng(0), shm_client if srv == "new" else None)
             reps = args.reps if info["chunks"] == 1 else max(10, args.reps // 2)
             timed = paired(calls, reps, warmup=3)
             for srv in servers:
@@ -203,6 +220,8 @@ def main() -> None:
     results["fetch_16mib_raw_p50_ms"] = big["fetch_raw_p50_ms"]
     results["bare_stream_16mib_p50_ms"] = pct(bare, 50) * 1e3
     results["fetch_vs_bare"] = pct(bare, 50) / (big["fetch_raw_p50_ms"] / 1e3)
+    results["fetch_shm_16mib_raw_p50_ms"] = big["fetch_raw_shm_p50_ms"]
+    results["fetch_shm_vs_bare"] = pct(bare, 50) / (big["fetch_raw_shm_p50_ms"] / 1e3)
     if "baseline" in rows:
         results["baseline_same_run"] = {"root": str(args.baseline), "chunks": rows["baseline"]}
     before = old.get("before")
@@ -215,7 +234,8 @@ def main() -> None:
     print(f"16 MiB over loopback: bare stream {results['bare_stream_16mib_p50_ms']:.2f} ms "
           f"({nbytes / results['bare_stream_16mib_p50_ms'] / 1e6:.2f} GB/s), Fetch (raw) "
           f"{results['fetch_16mib_raw_p50_ms']:.2f} ms -> Fetch = {results['fetch_vs_bare']:.2f} of bare "
-          f"(goal >= 0.50: {'met' if results['fetch_vs_bare'] >= 0.5 else 'MISSED'})")
+          f"(goal >= 0.50: {'met' if results['fetch_vs_bare'] >= 0.5 else 'MISSED'}); through shared memory "
+          f"{results['fetch_shm_16mib_raw_p50_ms']:.2f} ms = {results['fetch_shm_vs_bare']:.2f} of bare")
     print(f"{'payload':<28} {'server':<9} {'tokens':>6} {'MiB':>6} {'lookup':>8} {'fetch+rot':>10} {'fetch raw':>10} "
           f"{'rot cost':>9} {'e2e p50':>8} {'e2e p99':>8}  (ms)")
     for name in CASES:
@@ -224,6 +244,9 @@ def main() -> None:
             print(f"{name:<28} {srv:<9} {r['tokens']:>6} {r['payload_mib']:>6.2f} {r['lookup_p50_ms']:>8.3f} "
                   f"{r['fetch_rotated_p50_ms']:>10.2f} {r['fetch_raw_p50_ms']:>10.2f} {r['rotation_overhead_ms']:>9.2f} "
                   f"{r['end_to_end_p50_ms']:>8.2f} {r['end_to_end_p99_ms']:>8.2f}")
+        n = rows["new"][name]
+        print(f"{'':<28} {'shm':<9} {'':>6} {'':>6} {'':>8} {n['fetch_rotated_shm_p50_ms']:>10.2f} "
+              f"{n['fetch_raw_shm_p50_ms']:>10.2f}  shared memory / stream (rotated): {n['shm_vs_stream_rotated']:.2f}")
         if "baseline" in rows:
             b, n = rows["baseline"][name], rows["new"][name]
             print(f"{'':<28} new/baseline: fetch+rot {n['fetch_rotated_p50_ms'] / b['fetch_rotated_p50_ms']:.2f}, "

@@ -601,6 +601,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "workloads, and the previous figures of these under 'before'")
     p.add_argument("--before", type=Path, default=None,
                    help="with --only: take the 'before' figures from this result file (default: the output file)")
+    p.add_argument("--shared-memory", choices=("on", "off"), default="on",
+                   help="Fetch payloads through shared-memory buffers (on: a same-host engine's default) or the "
+                        "gRPC stream (off)")
     p.add_argument("--out", type=Path, default=None, help="default bench/results/ttft.json (random: ttft_random.json)")
     p.add_argument("--plot", type=Path, default=None, help="default bench/results/ttft.png (random: ttft_random.png)")
     args = p.parse_args(argv)
@@ -643,7 +646,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     records: list[Record] = []
     summaries: list[Summary] = []
     with sidecar_process(*sidecar_flags(template, 3 << 30, mport)) as target, \
-            SyncSidecarClient(target, tenant="ttft", timeout_s=300.0) as client:
+            SyncSidecarClient(target, tenant="ttft", timeout_s=300.0, shared_memory=args.shared_memory == "on") as client:
         meter = RotationMeter(mport)
         warm = BenchWorkload(label="warmup", requests=tuple(w.requests[0][:2048] for w in workloads[:1]) * 2)
         run_workload(model, wh, client, meter, warm, prefix_cache_bytes=1 << 30)  # kernels, allocator, channel

@@ -36,6 +36,7 @@ pending plan), except ``fetch_session`` (a read).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -60,6 +61,7 @@ from sidecar.policy import (  # the Policy SDK: message-list rewrites -> directi
 )
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.registry.plan import AdmissionPolicy, FetchSpec, LookupPlan, RepairScope
+from sidecar.shm import SHM_DIR, Lease, SegmentPool, local_target
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 from sidecar.wire import AUTH_HEADER, POLICY_TO_WIRE, REPAIR_TO_WIRE, TENANT_HEADER, identity_to_wire, layout_to_wire, plan_from_wire, rope_to_wire, tokens_to_wire
@@ -141,7 +143,8 @@ class FetchedKV:
     tokens; when ``rotated`` its rotary parts sit at ``target_pos``, else at ``source_pos``
     (rotate by ``delta`` yourself). ``ok`` is False for a miss: prefill those tokens.
     ``data`` is a writable memoryview the caller owns; the payloads of one call share 16 MiB
-    blocks, so keeping one alive keeps its block (copy what you keep for long)."""
+    blocks, or the call's shared-memory buffer, so keeping one alive keeps its block or buffer
+    (copy what you keep for long)."""
 
     index: int
     chunk_hash: int
@@ -287,6 +290,9 @@ class _FetchFrame:
     chunk_hash: int = 0
     chunk_offset: int = 0
     version: int = 0
+    shm_offset: int = 0  # shm_length > 0: the payload is in the call's shared-memory buffer
+    shm_length: int = 0
+    more: "list[_FetchFrame] | None" = None  # the next answers, sent in this message (shared memory)
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -300,7 +306,7 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def parse_fetch_frame(frame: bytes) -> _FetchFrame:
+def parse_fetch_frame(frame: bytes | memoryview) -> _FetchFrame:
     """Decode a FetchResponse or FetchSessionResponse (standard protobuf wire format, any field
     order) with its payload left in place: multi-MiB parts are not copied by a protobuf parse
     and a field access."""
@@ -332,12 +338,20 @@ def parse_fetch_frame(frame: bytes) -> _FetchFrame:
                 out.chunk_offset = value
             elif field == 13:
                 out.version = value
+            elif field == 14:
+                out.shm_offset = value
+            elif field == 15:
+                out.shm_length = value
         elif wire == 2:
             size, pos = _read_varint(buf, pos)
             if field == 7:
                 out.tier = bytes(buf[pos : pos + size]).decode()
             elif field == 8:
                 out.data = buf[pos : pos + size]
+            elif field == 16:
+                if out.more is None:
+                    out.more = []
+                out.more.append(parse_fetch_frame(buf[pos : pos + size]))
             pos += size
         elif wire == 1:
             if field == 11:
@@ -380,11 +394,13 @@ class _PayloadArena:
 
 class _FetchAssembler:
     """Joins a Fetch response stream into ``FetchedKV`` results, in item order (or, without
-    ``items``, a FetchSession stream into ``FetchedRun`` results, in position order); each
-    payload is copied once, into a writable buffer the caller owns (``_PayloadArena``)."""
+    ``items``, a FetchSession stream into ``FetchedRun`` results, in position order). A payload
+    the sidecar wrote into the call's shared-memory ``lease`` is a view of it (no copy); one
+    that came inline is copied once, into a writable buffer the caller owns (``_PayloadArena``)."""
 
-    def __init__(self, items: Sequence["tuple[int, int] | FetchSpec"] | None = None) -> None:
+    def __init__(self, items: Sequence["tuple[int, int] | FetchSpec"] | None = None, lease: Lease | None = None) -> None:
         self.items = items
+        self.lease = lease
         self.out: list[Any] = []
         self._first: _FetchFrame | None = None
         self._parts: list[memoryview] = []
@@ -396,11 +412,18 @@ class _FetchAssembler:
         self._parts.append(msg.data)
         if msg.last:
             f = self._first
-            data = self._arena.take(sum(len(p) for p in self._parts))
-            off = 0
-            for p in self._parts:
-                data[off : off + len(p)] = p
-                off += len(p)
+            if msg.shm_length:
+                if self.lease is None:
+                    raise ValueError("shm_length: a payload in shared memory, but this call named no buffer")
+                data = self.lease.payload(msg.shm_offset, msg.shm_length)
+            else:
+                data = self._arena.take(sum(len(p) for p in self._parts))
+                off = 0
+                for p in self._parts:
+                    data[off : off + len(p)] = p
+                    off += len(p)
+                if self.lease is not None:
+                    self.lease.inline += off
             if self.items is None:
                 self.out.append(
                     FetchedRun(
@@ -419,6 +442,8 @@ class _FetchAssembler:
                 )
             self._first = None
             self._parts = []
+        for nxt in msg.more or ():
+            self.feed(nxt)
 
 
 def _trailers(exc: grpc.RpcError) -> tuple:
@@ -534,7 +559,15 @@ class _ClientBase:
 
     TLS (docs/operations.md, "TLS and mTLS"): ``tls=True`` or any of ``root_ca`` (PEM bytes or
     a file path; None: the system roots), ``client_cert`` + ``client_key`` (mTLS) opens a
-    ``grpc.ssl_channel_credentials`` channel; otherwise the channel is plaintext."""
+    ``grpc.ssl_channel_credentials`` channel; otherwise the channel is plaintext.
+
+    Shared memory (docs/operations.md, "Shared-memory Fetch"): with ``shared_memory`` (None: on
+    when ``target`` is loopback or a unix socket and /dev/shm exists) Fetch and FetchSession
+    payloads arrive through buffers in /dev/shm (``shared_memory_bytes`` to start with, grown up
+    to ``shared_memory_max_bytes`` when a call did not fit) instead of the stream. Such a
+    payload is a view of a buffer lent to that call; the buffer is reused once every payload
+    of the call has been dropped, so keep a payload only while you need it. ``close()`` removes
+    the buffers' names."""
 
     _open_channel: Callable[..., Any]
     _open_secure_channel: Callable[..., Any]
@@ -552,8 +585,14 @@ class _ClientBase:
         root_ca: str | bytes | None = None,
         client_cert: str | bytes | None = None,
         client_key: str | bytes | None = None,
+        shared_memory: bool | None = None,
+        shared_memory_bytes: int = 32 << 20,
+        shared_memory_max_bytes: int = 1 << 30,
     ) -> None:
         options = [*_CHANNEL_OPTIONS, *channel_options]
+        if shared_memory is None:  # on for a sidecar on this host
+            shared_memory = local_target(target) and os.path.isdir(SHM_DIR)
+        self._shm = SegmentPool(size=shared_memory_bytes, max_bytes=shared_memory_max_bytes) if shared_memory else None
         if tls or root_ca is not None or client_cert is not None or client_key is not None:
             from sidecar.auth.tls import channel_credentials
 
@@ -573,6 +612,26 @@ class _ClientBase:
         self._timeout = timeout_s
         self._retry = retry
 
+    def _assembler(self, req: pb.FetchRequest | pb.FetchSessionRequest,
+                   items: Sequence["tuple[int, int] | FetchSpec"] | None = None) -> _FetchAssembler:
+        """One attempt's assembler, with a shared-memory buffer lent to it when one is free
+        (named in ``req``; without one the payloads come inline)."""
+        lease = self._shm.lease() if self._shm is not None else None
+        if lease is None:
+            req.ClearField("shm")
+        else:
+            req.shm.name, req.shm.token = lease.segment.name, lease.segment.token
+        return _FetchAssembler(items, lease)
+
+    def _assembled(self, asm: _FetchAssembler) -> list[Any]:
+        if asm.lease is not None:
+            self._shm.done(asm.lease)
+        return asm.out
+
+    def _close_shm(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+
 
 class SidecarClient(_ClientBase):
     _open_channel = staticmethod(grpc.aio.insecure_channel)
@@ -586,6 +645,7 @@ class SidecarClient(_ClientBase):
 
     async def close(self) -> None:
         await self._channel.close()
+        self._close_shm()
 
     @property
     def stub(self) -> pb_grpc.KVSidecarStub:
@@ -668,10 +728,10 @@ class SidecarClient(_ClientBase):
         req = _fetch_request(identity, layout, rope, items, raw)
 
         async def run() -> list[FetchedKV]:
-            asm = _FetchAssembler(items)
+            asm = self._assembler(req, items)
             async for msg in self._fetch(req, metadata=self._metadata, timeout=self._timeout):
                 asm.feed(msg)
-            return asm.out
+            return self._assembled(asm)
 
         return await self._call(run)
 
@@ -843,10 +903,10 @@ class SidecarClient(_ClientBase):
         req = _fetch_session_request(session_id, start, end, layout, rope, raw)
 
         async def run() -> list[FetchedRun]:
-            asm = _FetchAssembler()
+            asm = self._assembler(req)
             async for msg in self._fetch_session(req, metadata=self._metadata, timeout=self._timeout):
                 asm.feed(msg)
-            return asm.out
+            return self._assembled(asm)
 
         return await self._call(run)
 
@@ -906,10 +966,10 @@ class SyncSidecarClient(_ClientBase):
         req = _fetch_request(identity, layout, rope, items, raw)
 
         def run() -> list[FetchedKV]:
-            asm = _FetchAssembler(items)
+            asm = self._assembler(req, items)
             for msg in self._fetch(req, metadata=self._metadata, timeout=self._timeout):
                 asm.feed(msg)
-            return asm.out
+            return self._assembled(asm)
 
         return self._call(run)
 
@@ -1042,15 +1102,16 @@ class SyncSidecarClient(_ClientBase):
         req = _fetch_session_request(session_id, start, end, layout, rope, raw)
 
         def run() -> list[FetchedRun]:
-            asm = _FetchAssembler()
+            asm = self._assembler(req)
             for msg in self._fetch_session(req, metadata=self._metadata, timeout=self._timeout):
                 asm.feed(msg)
-            return asm.out
+            return self._assembled(asm)
 
         return self._call(run)
 
     def close(self) -> None:
         self._channel.close()
+        self._close_shm()
 
     def __enter__(self) -> "SyncSidecarClient":
         return self

@@ -187,6 +187,9 @@ class SidecarConfig:
     #: whole, before anything is read (RESOURCE_EXHAUSTED naming ``max_fetch_bytes``)
     max_fetch_bytes: int = 1 << 30
     fetch_part_bytes: int = 4 << 20
+    #: write Fetch / FetchSession payloads into the shared-memory buffer a client on this host
+    #: names (sidecar/shm; docs/operations.md, "Shared-memory Fetch"); false: always inline
+    fetch_shared_memory: bool = True
     #: gRPC server processes sharing ``port`` (SO_REUSEPORT), each with its own event loop, local
     #: registry and tiers; more than one needs the shared registry and the remote tier, through
     #: which the workers find and Fetch each other's chunks (docs/operations.md, "Workers").

@@ -31,10 +31,12 @@ from sidecar.tiers.codec import payload_nbytes
 
 @dataclass(slots=True)
 class SpanResult:
-    """The answer to one span item: ``payload`` None for a miss (any chunk of it missing)."""
+    """The answer to one span item: ``payload`` (or, from ``fetch_spans(pieces=True)``,
+    ``pieces``) None for a miss (any chunk of it missing)."""
 
     index: int
     payload: torch.Tensor | None = None
+    pieces: list[memoryview] | None = None  # the payload's bytes in order, not joined
     num_tokens: int = 0
     source_pos: int = 0
     delta: int = 0
@@ -131,9 +133,24 @@ def join(results: Sequence[FetchResult], rows: Sequence[tuple[int, int]], layout
     return out
 
 
-async def fetch_spans(results: AsyncIterator[FetchResult], groups: Sequence[_Group], layout: KVLayout
-                      ) -> AsyncIterator[FetchResult | SpanResult]:
-    """Regroup the plain results of ``expand``'s items into one result per original item."""
+def pieces(results: Sequence[FetchResult], rows: Sequence[tuple[int, int]], layout: KVLayout) -> list[memoryview]:
+    """The bytes ``join`` would copy, as slices of the chunks' payloads in payload order (for
+    a gathering write, ``os.pwritev``, into a shared-memory buffer: no joined copy)."""
+    if len(results) == 1 and rows[0] == (0, results[0].entry.num_tokens):
+        return [memoryview(results[0].payload.numpy())]
+    srcs = [(memoryview(r.payload.numpy()), r.entry.num_tokens, a, b) for r, (a, b) in zip(results, rows, strict=True)]
+    out: list[memoryview] = []
+    s_off = 0  # the block's offset in a chunk of n rows is (sum of earlier widths) * n
+    for w in _part_widths(layout):
+        out.extend(src[s_off * n + a * w : s_off * n + b * w] for src, n, a, b in srcs)
+        s_off += w
+    return out
+
+
+async def fetch_spans(results: AsyncIterator[FetchResult], groups: Sequence[_Group], layout: KVLayout,
+                      as_pieces: bool = False) -> AsyncIterator[FetchResult | SpanResult]:
+    """Regroup the plain results of ``expand``'s items into one result per original item
+    (a span's payload joined, or with ``as_pieces`` left as ``pieces``)."""
     for index, g in enumerate(groups):
         if g.rows is None:
             r = await anext(results)
@@ -146,6 +163,7 @@ async def fetch_spans(results: AsyncIterator[FetchResult], groups: Sequence[_Gro
             continue
         first = got[0]
         yield SpanResult(
-            index=index, payload=join(got, g.rows, layout, g.num_tokens), num_tokens=g.num_tokens,
-            source_pos=g.source_pos, delta=first.delta, rotated=all(r.rotated for r in got), tier=first.tier,
+            index=index, num_tokens=g.num_tokens, source_pos=g.source_pos, delta=first.delta,
+            rotated=all(r.rotated for r in got), tier=first.tier,
+            **({"pieces": pieces(got, g.rows, layout)} if as_pieces else {"payload": join(got, g.rows, layout, g.num_tokens)}),
         )

@@ -19,6 +19,8 @@ kv_sidecar_lookup_hit_segment_tokens            tokens per planned hit segment (
 kv_sidecar_store_chunks_total{outcome}          chunks registered | refreshed | stored
 kv_sidecar_store_bytes_total, _seconds          KV payload bytes stored; Store latency
 kv_sidecar_fetch_bytes_total, _seconds          KV payload bytes streamed; Fetch latency
+kv_sidecar_fetch_shared_memory_bytes_total      of those, written into a same-host client's buffer
+kv_sidecar_fetch_shared_memory_fallbacks_total  {reason} calls that named a buffer and got bytes inline
 kv_sidecar_tier_bytes / _objects /              per tier {tier=gpu|cpu|disk|remote}
   _capacity_bytes / _hits / _misses
 kv_sidecar_tier_promotions / _demotions         chunks moved up on hit / down instead of lost
@@ -237,6 +239,17 @@ class Metrics:
         self.store_seconds = Histogram("kv_sidecar_store_seconds", "Store with payloads, server side", registry=r)
         self.fetch_bytes = Counter("kv_sidecar_fetch_bytes", "KV payload bytes streamed by Fetch", registry=r)
         self.fetch_seconds = Histogram("kv_sidecar_fetch_seconds", "Fetch, server side", registry=r)
+        self.shm_bytes = Counter(
+            "kv_sidecar_fetch_shared_memory_bytes",
+            "Fetch / FetchSession payload bytes written into the caller's shared-memory buffer (part of fetch_bytes)",
+            registry=r,
+        )
+        self.shm_fallbacks = Counter(
+            "kv_sidecar_fetch_shared_memory_fallbacks",
+            "Calls that named a shared-memory buffer and got payloads inline, by reason "
+            "(disabled | remote_peer | unavailable | full | write_failed)",
+            ["reason"], registry=r,
+        )
         self.evictions = Counter("kv_sidecar_registry_evictions", "Registry evictions", ["reason"], registry=r)
         self.splices = Counter("kv_sidecar_splices", "Splice plans by mode and outcome", ["mode", "outcome"], registry=r)
         self.splice_tokens = Counter(

@@ -58,6 +58,7 @@ from sidecar.registry.index import ChunkIndex, LookupQuery
 from sidecar.registry.plan import AdmissionPolicy
 from sidecar.registry.registry import InMemoryRegistry
 from sidecar.registry.shared import SharedRegistry
+from sidecar.shm import ShmWriter, open_writer
 from sidecar.splice_service import SpliceService
 from sidecar.auth.limits import TenantLimiter
 from sidecar.claims_service import ClaimsService
@@ -250,6 +251,45 @@ def fetch_frames(
         off = end
         if off >= n:
             return
+
+
+class _Framer:
+    """The frames of one Fetch / FetchSession answer. A payload goes into the caller's
+    shared-memory buffer when there is one and it fits; such answers (and misses) are held and
+    sent several to a message (``more``: up to ``_BATCH_ITEMS``), since a stream message costs
+    as much as writing half a MiB. Any other payload is sent inline in ``part_bytes`` parts,
+    after the held answers, so answers keep their order."""
+
+    _BATCH_ITEMS = 64
+
+    def __init__(self, part_bytes: int, shm: ShmWriter | None) -> None:
+        self.part_bytes = part_bytes
+        self.shm = shm
+        self._held: list[pb.FetchResponse | pb.FetchSessionResponse] = []
+
+    def add(self, meta: pb.FetchResponse | pb.FetchSessionResponse,
+            payload: memoryview | list[memoryview] | None) -> list[bytes]:
+        """Frames to send now for one answer (``payload`` None: a miss, metadata only; a list:
+        the payload's pieces in order, only with a buffer)."""
+        if self.shm is None:
+            return [meta.SerializeToString()] if payload is None else list(fetch_frames(meta, payload, self.part_bytes))
+        if payload is not None:
+            at = self.shm.put(payload)
+            if at is None:  # inline, after what is held
+                whole = memoryview(b"".join(payload)) if isinstance(payload, list) else payload
+                return [*self.flush(), *fetch_frames(meta, whole, self.part_bytes)]
+            meta.shm_offset, meta.shm_length = at
+            meta.last = True
+        self._held.append(meta)
+        return self.flush() if len(self._held) >= self._BATCH_ITEMS else []
+
+    def flush(self) -> list[bytes]:
+        if not self._held:
+            return []
+        head, *rest = self._held
+        head.more.extend(rest)
+        self._held = []
+        return [head.SerializeToString()]
 
 
 def _rpc(method: str) -> Callable:
@@ -572,8 +612,10 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
     @_streaming("Fetch")
     async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchResponse]:
         t0 = time.perf_counter()
+        shm: ShmWriter | None = None
         try:
             tenant = self.tenancy.resolve(context)
+            shm = self._open_shm(request, context)
             identity = self.identities.get(request.identity, request.HasField("identity"))
             if not request.HasField("layout"):
                 raise InvalidArgument("layout: required")
@@ -591,7 +633,7 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
                     raise InvalidArgument(f"items: {len(items)} chunks exceed max_fetch_items {self.config.max_fetch_items}")
                 results = fetch_spans(self.dataplane.fetch_stream(
                     tenant, identity, layout, rope, items, request.raw, self.config.max_fetch_bytes
-                ), groups, layout)
+                ), groups, layout, as_pieces=shm is not None)  # into shared memory: gathered, not joined
             else:
                 items = [(it.chunk_hash, it.target_pos) for it in request.items]
                 # Item by item (the data plane reads in bounded windows, duplicates once); every
@@ -600,29 +642,34 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
                     tenant, identity, layout, rope, items, request.raw, self.config.max_fetch_bytes
                 )
             r = await anext(results, None)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - every error leaves through _abort
+        except BaseException as exc:
+            if shm is not None:
+                shm.close()
+            if not isinstance(exc, Exception):
+                raise  # cancelled
             await self._abort("Fetch", exc, context)
-        part = self.config.fetch_part_bytes
         nbytes = 0
         try:
+            framer = _Framer(self.config.fetch_part_bytes, shm)
             while r is not None:
-                if r.payload is None:
-                    yield pb.FetchResponse(index=r.index, status=pb.CHUNK_STATUS_MISS, last=True)
+                span = isinstance(r, SpanResult)
+                if r.payload is None and not (span and r.pieces):
+                    frames = framer.add(pb.FetchResponse(index=r.index, status=pb.CHUNK_STATUS_MISS, last=True), None)
                 else:
-                    mv = memoryview(r.payload.numpy())
-                    nbytes += len(mv)
-                    if isinstance(r, SpanResult):
+                    if span:
+                        data = r.pieces if r.pieces else memoryview(r.payload.numpy())
                         ntok, src = r.num_tokens, r.source_pos
                     else:
+                        data = memoryview(r.payload.numpy())
                         ntok, src = r.entry.num_tokens, r.entry.source_pos
+                    nbytes += len(data) if isinstance(data, memoryview) else sum(len(p) for p in data)
                     meta = pb.FetchResponse(
                         index=r.index, status=pb.CHUNK_STATUS_OK, num_tokens=ntok, source_pos=src,
                         delta=r.delta, rotated=r.rotated, tier=r.tier,
                     )
-                    for frame in fetch_frames(meta, mv, part):
-                        yield frame
+                    frames = framer.add(meta, data)
+                for frame in frames:
+                    yield frame
                 r = None  # a chunk shared by later items is kept by the data plane only while needed
                 try:
                     r = await anext(results, None)
@@ -630,12 +677,35 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
                     raise
                 except Exception as exc:  # noqa: BLE001 - a tier failing mid-stream
                     await self._abort("Fetch", exc, context)
+            for frame in framer.flush():
+                yield frame
         finally:
             await results.aclose()
+            self._close_shm(shm)
         m = self.metrics
         m.fetch_bytes.inc(nbytes)
         m.fetch_seconds.observe(time.perf_counter() - t0)
         self._ok["Fetch"].inc()
+
+    def _open_shm(self, request: pb.FetchRequest | pb.FetchSessionRequest, context: grpc.aio.ServicerContext
+                  ) -> ShmWriter | None:
+        """The writer into the caller's shared-memory buffer (sidecar/shm), or None: no buffer
+        named, or its payloads go inline (counted by reason)."""
+        if not request.HasField("shm"):
+            return None
+        writer, why = open_writer(request.shm.name, request.shm.token, context.peer(),
+                                  enabled=self.config.fetch_shared_memory)
+        if writer is None:
+            self.metrics.shm_fallbacks.labels(why).inc()
+        return writer
+
+    def _close_shm(self, writer: ShmWriter | None) -> None:
+        if writer is None:
+            return
+        writer.close()
+        self.metrics.shm_bytes.inc(writer.bytes)
+        if writer.failed or writer.spilled:
+            self.metrics.shm_fallbacks.labels("write_failed" if writer.failed else "full").inc()
 
     # ----------------------------------------------------------------------- Evict / Delete
 
@@ -790,6 +860,7 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
     async def FetchSession(
         self, request: pb.FetchSessionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.FetchSessionResponse]:
+        shm: ShmWriter | None = None
         try:
             tenant = self.tenancy.resolve(context)
             sid = session_id_from_wire(request.session_id)
@@ -800,22 +871,28 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
             end = request.end if request.HasField("end") else None
             span = self.sessions.held_span(tenant, sid, request.start, end, max_tokens=self.config.max_prompt_tokens)
             runs = await self.dataplane.fetch_session(span, layout, rope, request.raw)
+            shm = self._open_shm(request, context)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every error leaves through _abort
             await self._abort("FetchSession", exc, context)
-        part = self.config.fetch_part_bytes
         nbytes = 0
-        for r in runs:
-            mv = memoryview(r.payload.numpy())
-            nbytes += len(mv)
-            meta = pb.FetchSessionResponse(
-                index=r.index, num_tokens=r.num_tokens, source_pos=r.source_pos, delta=r.delta, rotated=r.rotated,
-                tier=r.tier, target_pos=r.target_pos, chunk_hash=r.chunk_hash, chunk_offset=r.chunk_offset,
-                version=span.version,
-            )
-            for frame in fetch_frames(meta, mv, part):
+        try:
+            framer = _Framer(self.config.fetch_part_bytes, shm)
+            for r in runs:
+                mv = memoryview(r.payload.numpy())
+                nbytes += len(mv)
+                meta = pb.FetchSessionResponse(
+                    index=r.index, num_tokens=r.num_tokens, source_pos=r.source_pos, delta=r.delta, rotated=r.rotated,
+                    tier=r.tier, target_pos=r.target_pos, chunk_hash=r.chunk_hash, chunk_offset=r.chunk_offset,
+                    version=span.version,
+                )
+                for frame in framer.add(meta, mv):
+                    yield frame
+            for frame in framer.flush():
                 yield frame
+        finally:
+            self._close_shm(shm)
         self.metrics.fetch_bytes.inc(nbytes)
         self._ok["FetchSession"].inc()
 

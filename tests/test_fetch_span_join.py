@@ -1,6 +1,7 @@
 """``sidecar.fetch_spans.join``: the rows of a span's chunks joined into one payload, byte for
 byte what per-part tensor views give (every layout shape: uniform GQA blocks, MLA's two widths,
-a 1-byte part next to wider ones)."""
+a 1-byte part next to wider ones); ``pieces`` (the slices a shared-memory Fetch writes with one
+gathering write) concatenate to the same bytes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sidecar.fetch_spans import join
+from sidecar.fetch_spans import join, pieces
 from sidecar.identity import KVLayout, KVPart
 from sidecar.tiers.codec import decode_payload, payload_nbytes
 
@@ -48,6 +49,7 @@ def test_join_equals_per_part_views(name: str, rows: list[tuple[int, int]]) -> N
     num_tokens = sum(b - a for a, b in rows)
     got = join(results, rows, layout, num_tokens)
     assert torch.equal(got, _reference(results, rows, layout, num_tokens))
+    assert b"".join(pieces(results, rows, layout)) == got.numpy().tobytes()
     if rows == [(0, 32)]:
         assert got.data_ptr() == results[0].payload.data_ptr()  # a whole chunk: no copy
 
@@ -59,3 +61,4 @@ def test_join_with_a_one_byte_part_between_wider_ones() -> None:
     results = [_chunk(layout, 9, 0), _chunk(layout, 6, 1)]
     got = join(results, rows, layout, 13)
     assert torch.equal(got, _reference(results, rows, layout, 13))
+    assert b"".join(pieces(results, rows, layout)) == got.numpy().tobytes()

@@ -644,3 +644,15 @@ def test_held_references_follow_tokens_through_plans(seed):
         mirror.append(np.arange(fresh_id, fresh_id + 2, dtype=np.uint32))
         fresh_id += 2
         assert len(held) == len(mirror) and not held.backed[-2:].any()
+
+
+def test_fetch_session_through_shared_memory_equals_the_inline_stream(client, server, held):
+    sid = held[0]
+    assert client._shm is not None  # a loopback sidecar: buffers are on by default
+    with SyncSidecarClient(server.target, tenant=TENANT, shared_memory=False) as inline:
+        want = inline.fetch_session(sid, layout=LAYOUT, rope=SPEC)
+    b0 = sample(server, "kv_sidecar_fetch_shared_memory_bytes_total")
+    got = client.fetch_session(sid, layout=LAYOUT, rope=SPEC)
+    assert sample(server, "kv_sidecar_fetch_shared_memory_bytes_total") - b0 == sum(len(r.data) for r in got) > 0
+    assert [(r.target_pos, r.delta, r.chunk_hash, bytes(r.data)) for r in got] == \
+        [(r.target_pos, r.delta, r.chunk_hash, bytes(r.data)) for r in want]

@@ -288,21 +288,31 @@ class FetchItem(_message.Message):
     def __init__(self, chunk_hash: _Optional[int] = ..., target_pos: _Optional[int] = ..., num_tokens: _Optional[int] = ..., row_offset: _Optional[int] = ..., next_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("identity", "layout", "rope", "items", "raw")
+    __slots__ = ("identity", "layout", "rope", "items", "raw", "shm")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ROPE_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     identity: CacheIdentity
     layout: KVLayout
     rope: RopeParams
     items: _containers.RepeatedCompositeFieldContainer[FetchItem]
     raw: bool
-    def __init__(self, identity: _Optional[_Union[CacheIdentity, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., rope: _Optional[_Union[RopeParams, _Mapping]] = ..., items: _Optional[_Iterable[_Union[FetchItem, _Mapping]]] = ..., raw: bool = ...) -> None: ...
+    shm: SharedMemory
+    def __init__(self, identity: _Optional[_Union[CacheIdentity, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., rope: _Optional[_Union[RopeParams, _Mapping]] = ..., items: _Optional[_Iterable[_Union[FetchItem, _Mapping]]] = ..., raw: bool = ..., shm: _Optional[_Union[SharedMemory, _Mapping]] = ...) -> None: ...
+
+class SharedMemory(_message.Message):
+    __slots__ = ("name", "token")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    token: bytes
+    def __init__(self, name: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
-    __slots__ = ("index", "status", "num_tokens", "source_pos", "delta", "rotated", "tier", "data", "last")
+    __slots__ = ("index", "status", "num_tokens", "source_pos", "delta", "rotated", "tier", "data", "last", "shm_offset", "shm_length", "more")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +322,9 @@ class FetchResponse(_message.Message):
     TIER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHM_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     index: int
     status: ChunkStatus
     num_tokens: int
@@ -321,7 +334,10 @@ class FetchResponse(_message.Message):
     tier: str
     data: bytes
     last: bool
-    def __init__(self, index: _Optional[int] = ..., status: _Optional[_Union[ChunkStatus, str]] = ..., num_tokens: _Optional[int] = ..., source_pos: _Optional[int] = ..., delta: _Optional[int] = ..., rotated: bool = ..., tier: _Optional[str] = ..., data: _Optional[bytes] = ..., last: bool = ...) -> None: ...
+    shm_offset: int
+    shm_length: int
+    more: _containers.RepeatedCompositeFieldContainer[FetchResponse]
+    def __init__(self, index: _Optional[int] = ..., status: _Optional[_Union[ChunkStatus, str]] = ..., num_tokens: _Optional[int] = ..., source_pos: _Optional[int] = ..., delta: _Optional[int] = ..., rotated: bool = ..., tier: _Optional[str] = ..., data: _Optional[bytes] = ..., last: bool = ..., shm_offset: _Optional[int] = ..., shm_length: _Optional[int] = ..., more: _Optional[_Iterable[_Union[FetchResponse, _Mapping]]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("chunk_hashes", "tier")
@@ -584,23 +600,25 @@ class OpPlan(_message.Message):
     def __init__(self, plan_id: _Optional[str] = ..., session_id: _Optional[str] = ..., base_version: _Optional[int] = ..., next_version: _Optional[int] = ..., block_size: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ..., layout: _Optional[_Union[SessionLayout, _Mapping]] = ..., edits: _Optional[bytes] = ..., summary: _Optional[_Union[SpliceSummary, _Mapping]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class FetchSessionRequest(_message.Message):
-    __slots__ = ("session_id", "start", "end", "layout", "rope", "raw")
+    __slots__ = ("session_id", "start", "end", "layout", "rope", "raw", "shm")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ROPE_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     start: int
     end: int
     layout: KVLayout
     rope: RopeParams
     raw: bool
-    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., rope: _Optional[_Union[RopeParams, _Mapping]] = ..., raw: bool = ...) -> None: ...
+    shm: SharedMemory
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., rope: _Optional[_Union[RopeParams, _Mapping]] = ..., raw: bool = ..., shm: _Optional[_Union[SharedMemory, _Mapping]] = ...) -> None: ...
 
 class FetchSessionResponse(_message.Message):
-    __slots__ = ("index", "num_tokens", "source_pos", "delta", "rotated", "tier", "data", "last", "target_pos", "chunk_hash", "chunk_offset", "version")
+    __slots__ = ("index", "num_tokens", "source_pos", "delta", "rotated", "tier", "data", "last", "target_pos", "chunk_hash", "chunk_offset", "version", "shm_offset", "shm_length", "more")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_POS_FIELD_NUMBER: _ClassVar[int]
@@ -613,6 +631,9 @@ class FetchSessionResponse(_message.Message):
     CHUNK_HASH_FIELD_NUMBER: _ClassVar[int]
     CHUNK_OFFSET_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHM_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     index: int
     num_tokens: int
     source_pos: int
@@ -625,7 +646,10 @@ class FetchSessionResponse(_message.Message):
     chunk_hash: int
     chunk_offset: int
     version: int
-    def __init__(self, index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., source_pos: _Optional[int] = ..., delta: _Optional[int] = ..., rotated: bool = ..., tier: _Optional[str] = ..., data: _Optional[bytes] = ..., last: bool = ..., target_pos: _Optional[int] = ..., chunk_hash: _Optional[int] = ..., chunk_offset: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    shm_offset: int
+    shm_length: int
+    more: _containers.RepeatedCompositeFieldContainer[FetchSessionResponse]
+    def __init__(self, index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., source_pos: _Optional[int] = ..., delta: _Optional[int] = ..., rotated: bool = ..., tier: _Optional[str] = ..., data: _Optional[bytes] = ..., last: bool = ..., target_pos: _Optional[int] = ..., chunk_hash: _Optional[int] = ..., chunk_offset: _Optional[int] = ..., version: _Optional[int] = ..., shm_offset: _Optional[int] = ..., shm_length: _Optional[int] = ..., more: _Optional[_Iterable[_Union[FetchSessionResponse, _Mapping]]] = ...) -> None: ...
 
 class CommitSpliceRequest(_message.Message):
     __slots__ = ("plan_id",)
