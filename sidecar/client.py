@@ -259,6 +259,18 @@ def _fetch_request(
     return req
 
 
+def _fetch_need(items: Sequence["tuple[int, int] | FetchSpec"], layout: KVLayout) -> int:
+    """Payload bytes span items will return (plain items: unknown until answered), with room
+    for the sidecar's 64-byte alignment of each payload in a shared-memory buffer."""
+    rows = sum(it.num_tokens for it in items if isinstance(it, FetchSpec))
+    return rows * layout.bytes_per_token + 64 * len(items) if rows else 0
+
+
+def _session_need(start: int, end: int | None, layout: KVLayout) -> int:
+    """Payload bytes of a FetchSession range, with alignment room for a run per row at most."""
+    return (end - start) * (layout.bytes_per_token + 64) if end is not None and end > start else 0
+
+
 def _fetch_session_request(
     session_id: str, start: int, end: int | None, layout: KVLayout, rope: "RopeSpec | None", raw: bool
 ) -> pb.FetchSessionRequest:
@@ -586,7 +598,7 @@ class _ClientBase:
         client_cert: str | bytes | None = None,
         client_key: str | bytes | None = None,
         shared_memory: bool | None = None,
-        shared_memory_bytes: int = 32 << 20,
+        shared_memory_bytes: int = 64 << 20,
         shared_memory_max_bytes: int = 1 << 30,
     ) -> None:
         options = [*_CHANNEL_OPTIONS, *channel_options]
@@ -613,10 +625,11 @@ class _ClientBase:
         self._retry = retry
 
     def _assembler(self, req: pb.FetchRequest | pb.FetchSessionRequest,
-                   items: Sequence["tuple[int, int] | FetchSpec"] | None = None) -> _FetchAssembler:
+                   items: Sequence["tuple[int, int] | FetchSpec"] | None = None, need: int = 0) -> _FetchAssembler:
         """One attempt's assembler, with a shared-memory buffer lent to it when one is free
-        (named in ``req``; without one the payloads come inline)."""
-        lease = self._shm.lease() if self._shm is not None else None
+        (named in ``req``; without one the payloads come inline); ``need``: the payload bytes
+        the call is known to return (0: unknown)."""
+        lease = self._shm.lease(need) if self._shm is not None else None
         if lease is None:
             req.ClearField("shm")
         else:
@@ -728,7 +741,7 @@ class SidecarClient(_ClientBase):
         req = _fetch_request(identity, layout, rope, items, raw)
 
         async def run() -> list[FetchedKV]:
-            asm = self._assembler(req, items)
+            asm = self._assembler(req, items, _fetch_need(items, layout))
             async for msg in self._fetch(req, metadata=self._metadata, timeout=self._timeout):
                 asm.feed(msg)
             return self._assembled(asm)
@@ -903,7 +916,7 @@ class SidecarClient(_ClientBase):
         req = _fetch_session_request(session_id, start, end, layout, rope, raw)
 
         async def run() -> list[FetchedRun]:
-            asm = self._assembler(req)
+            asm = self._assembler(req, need=_session_need(start, end, layout))
             async for msg in self._fetch_session(req, metadata=self._metadata, timeout=self._timeout):
                 asm.feed(msg)
             return self._assembled(asm)
@@ -966,7 +979,7 @@ class SyncSidecarClient(_ClientBase):
         req = _fetch_request(identity, layout, rope, items, raw)
 
         def run() -> list[FetchedKV]:
-            asm = self._assembler(req, items)
+            asm = self._assembler(req, items, _fetch_need(items, layout))
             for msg in self._fetch(req, metadata=self._metadata, timeout=self._timeout):
                 asm.feed(msg)
             return self._assembled(asm)
@@ -1102,7 +1115,7 @@ class SyncSidecarClient(_ClientBase):
         req = _fetch_session_request(session_id, start, end, layout, rope, raw)
 
         def run() -> list[FetchedRun]:
-            asm = self._assembler(req)
+            asm = self._assembler(req, need=_session_need(start, end, layout))
             for msg in self._fetch_session(req, metadata=self._metadata, timeout=self._timeout):
                 asm.feed(msg)
             return self._assembled(asm)

@@ -283,3 +283,18 @@ def test_gathered_pieces_land_back_to_back_even_after_a_short_write(monkeypatch)
         w.close()
     finally:
         seg.unlink()
+
+
+def test_a_call_that_says_what_it_needs_gets_a_buffer_that_fits():
+    pool = SegmentPool(size=1 << 20, max_bytes=16 << 20)
+    try:
+        a = pool.lease()
+        assert a.segment.size == 1 << 20
+        small = a.segment.path
+        del a
+        gc.collect()
+        b = pool.lease(need=5 << 20)  # the idle 1 MiB buffer is too small: replaced
+        assert b.segment.size == 6 << 20 and not os.path.exists(small)
+        assert pool.lease(need=1 << 40).segment.size == 16 << 20  # capped at max_bytes
+    finally:
+        pool.close()

@@ -96,12 +96,14 @@ class Lease:
 
 class SegmentPool:
     """Buffers lent to calls: at most ``max_segments`` at once (a call that finds none free goes
-    inline, it never waits). A call whose payloads did not all fit makes the next new buffer
-    big enough for it, up to ``max_bytes``; smaller idle buffers are then dropped. ``close()``
+    inline, it never waits). A buffer holds at least what the call says it needs (span items
+    and session ranges know their size); a call whose payloads did not all fit makes every new
+    buffer big enough for it, up to ``max_bytes``; smaller idle buffers are then dropped. A
+    buffer costs memory only for the pages written into it. ``close()``
     (and interpreter exit) removes every buffer's name."""
 
     def __init__(
-        self, *, size: int = 32 << 20, max_bytes: int = 1 << 30, max_segments: int = 4, directory: str = SHM_DIR
+        self, *, size: int = 64 << 20, max_bytes: int = 1 << 30, max_segments: int = 4, directory: str = SHM_DIR
     ) -> None:
         if not HEADER_BYTES < size <= max_bytes:
             raise ValueError(f"size: must be in ({HEADER_BYTES}, max_bytes={max_bytes}], got {size}")
@@ -118,16 +120,24 @@ class SegmentPool:
         self._names: set[str] = set()  # every buffer not yet unlinked (for the exit finalizer)
         self._finalizer = weakref.finalize(self, _unlink_all, self._names)
 
-    def lease(self) -> Lease | None:
-        """A buffer for one call, or None (pool closed, all lent, or /dev/shm unusable)."""
+    def lease(self, need: int = 0) -> Lease | None:
+        """A buffer for one call that expects at least ``need`` payload bytes (0: unknown), or
+        None (pool closed, all lent, or /dev/shm unusable)."""
+        size = min(self.max_bytes, max(self._want, _round_up(HEADER_BYTES + need))) if need else self._want
+        drop = None
         with self._lock:
             if self._closed or self._lent >= self.max_segments:
                 return None
             seg = self._idle.pop() if self._idle else None
+            if seg is not None and seg.size < size:
+                drop, seg = seg, None
+                self._names.discard(drop.path)
             self._lent += 1
+        if drop is not None:
+            drop.unlink()
         if seg is None:
             try:
-                seg = Segment(self._want, self.directory)
+                seg = Segment(size, self.directory)
             except OSError:
                 with self._lock:
                     self._lent -= 1
