@@ -230,6 +230,7 @@ def main() -> None:
         before["note"] = "per-chunk-per-layer rotation on Fetch, before issue 14 (commit 4a610a9)"
     if before is not None:
         results["before"] = before
+    results.update({k: v for k, v in old.items() if k.startswith("ab_")})  # recorded A/B runs stay
 
     print(f"16 MiB over loopback: bare stream {results['bare_stream_16mib_p50_ms']:.2f} ms "
           f"({nbytes / results['bare_stream_16mib_p50_ms'] / 1e6:.2f} GB/s), Fetch (raw) "
