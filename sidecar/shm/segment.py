@@ -116,7 +116,9 @@ class SegmentPool:
         self._idle: list[Segment] = []
         self._lent = 0
         self._closed = False
-        self._lock = threading.Lock()
+        # Reentrant: a lease's finalizer can run inside this pool's own critical section when
+        # the garbage collector frees payloads caught in a reference cycle there.
+        self._lock = threading.RLock()
         self._names: set[str] = set()  # every buffer not yet unlinked (for the exit finalizer)
         self._finalizer = weakref.finalize(self, _unlink_all, self._names)
 
