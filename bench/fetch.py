@@ -12,7 +12,8 @@ through the shared-memory data plane (``shared_memory=True``: a same-host engine
    DeepSeek-V2-Lite-shaped payload (MLA: 27 layers x (c_kv 512 + k_pe 64), bf16: 4.5 MiB) and a
    Llama-3-8B-shaped one (32 layers x K,V 8 x 128, bf16: 16 MiB), with the breakdown.
 3. The same for the TTFT bench's agent_meta body on its ``--model random`` KV: 64 chunks (8K
-   tokens, 4 layers x K,V 2 x 64, fp32: 32 MiB) shifted behind a 1000-token header.
+   tokens, 4 layers x K,V 2 x 64, fp32: 32 MiB) shifted behind a 1000-token header, also as the
+   span items an engine sends (``plan.fetch_spans()``: one 8K-token item).
 
 ``--baseline DIR`` starts a second sidecar from another checkout (e.g. ``git archive`` of the
 commit before a change) and times it in the same run, interleaved rep by rep; the figures of the
@@ -119,6 +120,9 @@ def prepare(c: SyncSidecarClient, name: str, rng: np.random.Generator, shm: Sync
     prompt = np.concatenate([[ANCHOR], rng.integers(0, 150_000, shift - 1), *msgs]).astype(np.uint32)
     hits = c.lookup(prompt, identity=ident).hits()
     items = [(h.chunk_hash, h.start - h.chunk_offset) for h in hits]
+    # The same hits as span items (plan.fetch_spans: one item per hit segment, joined by the
+    # sidecar), as the reference engine fetches them; whole chunks (no boundary repair).
+    spans = c.lookup(prompt, identity=ident, recompute_tokens=0).fetch_spans()
     assert len(items) == chunks, f"{name}: {len(items)} hits for {chunks} chunks"
     size = sum(int(b - a) for a, b in zip(bounds[:-1], bounds[1:]) if b - a == 128) * layout.bytes_per_token
     calls = {
@@ -129,7 +133,12 @@ def prepare(c: SyncSidecarClient, name: str, rng: np.random.Generator, shm: Sync
     if shm is not None:
         calls["fetch_rotated_shm"] = lambda: shm.fetch(items, identity=ident, layout=layout, rope=spec)
         calls["fetch_raw_shm"] = lambda: shm.fetch(items, identity=ident, layout=layout, raw=True)
-    return calls, {"chunks": chunks, "chunk_tokens": 128, "tokens": 128 * chunks, "shift": shift, "payload_mib": size / MiB}
+        if chunks > 1:
+            calls["fetch_span_rotated"] = lambda: c.fetch(spans, identity=ident, layout=layout, rope=spec)
+            calls["fetch_span_rotated_shm"] = lambda: shm.fetch(spans, identity=ident, layout=layout, rope=spec)
+    info = {"span_items": len(spans)}
+    return calls, {**info, "chunks": chunks, "chunk_tokens": 128, "tokens": 128 * chunks, "shift": shift,
+                   "payload_mib": size / MiB}
 
 
 def paired(calls: dict[str, dict[str, Callable]], reps: int, warmup: int) -> dict[str, dict[str, np.ndarray]]:
@@ -167,6 +176,11 @@ def summarize(t: dict[str, np.ndarray], info: dict) -> dict:
             "fetch_rotated_p99_ms": pct(t["fetch_rotated"], 99) * 1e3,
             "shm_vs_stream_rotated": pct(t["fetch_rotated_shm"], 50) / pct(t["fetch_rotated"], 50),
         } if "fetch_rotated_shm" in t else {}),
+        **({
+            "fetch_span_rotated_p50_ms": pct(t["fetch_span_rotated"], 50) * 1e3,
+            "fetch_span_rotated_shm_p50_ms": pct(t["fetch_span_rotated_shm"], 50) * 1e3,
+            "shm_vs_stream_span_rotated": pct(t["fetch_span_rotated_shm"], 50) / pct(t["fetch_span_rotated"], 50),
+        } if "fetch_span_rotated" in t else {}),
     }
 
 
@@ -248,6 +262,9 @@ def main() -> None:
         n = rows["new"][name]
         print(f"{'':<28} {'shm':<9} {'':>6} {'':>6} {'':>8} {n['fetch_rotated_shm_p50_ms']:>10.2f} "
               f"{n['fetch_raw_shm_p50_ms']:>10.2f}  shared memory / stream (rotated): {n['shm_vs_stream_rotated']:.2f}")
+        if "fetch_span_rotated_p50_ms" in n:
+            print(f"{'':<28} {n['span_items']} span item(s), rotated: stream {n['fetch_span_rotated_p50_ms']:.2f} ms, "
+                  f"shared memory {n['fetch_span_rotated_shm_p50_ms']:.2f} ms ({n['shm_vs_stream_span_rotated']:.2f})")
         if "baseline" in rows:
             b, n = rows["baseline"][name], rows["new"][name]
             print(f"{'':<28} new/baseline: fetch+rot {n['fetch_rotated_p50_ms'] / b['fetch_rotated_p50_ms']:.2f}, "

@@ -646,13 +646,14 @@ def test_held_references_follow_tokens_through_plans(seed):
         assert len(held) == len(mirror) and not held.backed[-2:].any()
 
 
-def test_fetch_session_through_shared_memory_equals_the_inline_stream(client, server, held):
+def test_fetch_session_through_shared_memory_equals_the_inline_stream(server, held):
     sid = held[0]
-    assert client._shm is not None  # a loopback sidecar: buffers are on by default
     with SyncSidecarClient(server.target, tenant=TENANT, shared_memory=False) as inline:
         want = inline.fetch_session(sid, layout=LAYOUT, rope=SPEC)
-    b0 = sample(server, "kv_sidecar_fetch_shared_memory_bytes_total")
-    got = client.fetch_session(sid, layout=LAYOUT, rope=SPEC)
-    assert sample(server, "kv_sidecar_fetch_shared_memory_bytes_total") - b0 == sum(len(r.data) for r in got) > 0
-    assert [(r.target_pos, r.delta, r.chunk_hash, bytes(r.data)) for r in got] == \
-        [(r.target_pos, r.delta, r.chunk_hash, bytes(r.data)) for r in want]
+    with SyncSidecarClient(server.target, tenant=TENANT) as c:
+        assert c._shm is not None  # a loopback sidecar: buffers are on by default
+        b0 = sample(server, "kv_sidecar_fetch_shared_memory_bytes_total")
+        got = c.fetch_session(sid, layout=LAYOUT, rope=SPEC)
+        assert sample(server, "kv_sidecar_fetch_shared_memory_bytes_total") - b0 == sum(len(r.data) for r in got) > 0
+        assert [(r.target_pos, r.delta, r.chunk_hash, bytes(r.data)) for r in got] == \
+            [(r.target_pos, r.delta, r.chunk_hash, bytes(r.data)) for r in want]

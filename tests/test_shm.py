@@ -5,6 +5,7 @@ inline stream, every refusal names its field and changes nothing."""
 from __future__ import annotations
 
 import gc
+import logging
 import os
 
 import grpc
@@ -178,7 +179,7 @@ async def test_bad_buffers_are_refused_by_field_and_nothing_is_written(rng, tmp_
         await server.stop(None)
 
 
-def test_a_buffer_is_lent_again_only_after_its_payloads_are_dropped():
+def test_a_buffer_is_lent_again_only_after_its_payloads_are_dropped(caplog):
     pool = SegmentPool(size=1 << 20, max_segments=2)
     try:
         a = pool.lease()
@@ -189,7 +190,10 @@ def test_a_buffer_is_lent_again_only_after_its_payloads_are_dropped():
         assert pool.lent == 1 and pool.idle == 0  # a payload view still holds the buffer
         b = pool.lease()
         assert b.segment.name != name
-        assert pool.lease() is None  # max_segments lent: the call goes inline, it does not wait
+        with caplog.at_level(logging.WARNING, logger="sidecar.shm.segment"):
+            assert pool.lease() is None  # max_segments lent: the call goes inline, it does not wait
+            assert pool.lease() is None
+        assert sum("held by payloads still referenced" in r.message for r in caplog.records) == 1  # said once
         del view
         gc.collect()
         assert pool.lent == 1 and pool.idle == 1

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import re
@@ -19,6 +20,8 @@ TOKEN_BYTES = 16
 HEADER_BYTES = 64
 ALIGN = 64
 SHM_DIR = "/dev/shm"
+
+logger = logging.getLogger(__name__)
 NAME_PATTERN = re.compile(r"kvsc-[0-9a-f]{32}")
 
 
@@ -116,6 +119,7 @@ class SegmentPool:
         self._idle: list[Segment] = []
         self._lent = 0
         self._closed = False
+        self._warned = False
         # Reentrant: a lease's finalizer can run inside this pool's own critical section when
         # the garbage collector frees payloads caught in a reference cycle there.
         self._lock = threading.RLock()
@@ -128,7 +132,13 @@ class SegmentPool:
         size = min(self.max_bytes, max(self._want, _round_up(HEADER_BYTES + need))) if need else self._want
         drop = None
         with self._lock:
-            if self._closed or self._lent >= self.max_segments:
+            if self._closed:
+                return None
+            if self._lent >= self.max_segments:
+                if not self._warned:
+                    self._warned = True
+                    logger.warning("all %d shared-memory buffers are held by payloads still referenced; Fetches come "
+                                   "inline until those payloads are dropped (copy what you keep)", self.max_segments)
                 return None
             seg = self._idle.pop() if self._idle else None
             if seg is not None and seg.size < size:
