@@ -302,3 +302,49 @@ def test_a_call_that_says_what_it_needs_gets_a_buffer_that_fits():
         assert pool.lease(need=1 << 40).segment.size == 16 << 20  # capped at max_bytes
     finally:
         pool.close()
+
+
+def test_concurrent_calls_on_one_client_never_share_a_buffer(rng):
+    """Threads fetching through one client: each call has its own buffer while its payloads
+    are alive, so every thread reads exactly its own items' bytes (more calls in flight than
+    buffers: the rest come inline)."""
+    import threading
+
+    from sidecar.client import SyncSidecarClient
+    from sidecar.server import ServerThread
+
+    cfg = make_config(store=StoreConfig(cpu_bytes=64 * MiB), auth=AuthConfig(operators=("a",)))
+    with ServerThread(cfg) as st, SyncSidecarClient(st.target, tenant="a") as c, \
+            SyncSidecarClient(st.target, tenant="a", shared_memory=False) as inline:
+        first, body = conversation(rng, 60)
+        meta = c.store(first, identity=IDENT)
+        from tests.test_dataplane import payloads_for
+
+        c.store(first, identity=IDENT, layout=LAYOUT, payloads=payloads_for(meta.chunk_bounds))
+        second = np.concatenate([message(rng, 310), body]).astype(np.uint32)
+        hits = c.lookup(second, identity=IDENT, recompute_tokens=0).hits()
+        items = [(h.chunk_hash, h.start - h.chunk_offset) for h in hits]
+        want = {i: bytes(inline.fetch([it], identity=IDENT, layout=LAYOUT, rope=SPEC)[0].data) for i, it in enumerate(items)}
+        errors: list[str] = []
+        held = []
+
+        def worker(seed: int) -> None:
+            r = np.random.default_rng(seed)
+            for _ in range(15):
+                order = r.permutation(len(items))
+                got = c.fetch([items[i] for i in order], identity=IDENT, layout=LAYOUT, rope=SPEC)
+                for i, kv in zip(order, got):
+                    if bytes(kv.data) != want[i]:
+                        errors.append(f"thread {seed}: item {i} differs")
+                if r.random() < 0.3:
+                    held.append((order, got))  # some calls keep their payloads: their buffers stay lent
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors[:5]
+        assert st.server.metrics.registry.get_sample_value("kv_sidecar_fetch_shared_memory_bytes_total") > 0
+        for order, got in held:  # payloads kept alive stayed intact while other calls ran
+            assert [bytes(kv.data) for kv in got] == [want[i] for i in order]
