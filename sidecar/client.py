@@ -61,7 +61,7 @@ from sidecar.policy import (  # the Policy SDK: message-list rewrites -> directi
 )
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.registry.plan import AdmissionPolicy, FetchSpec, LookupPlan, RepairScope
-from sidecar.shm import SHM_DIR, Lease, SegmentPool, local_target
+from sidecar.shm import ALIGN, SHM_DIR, Lease, SegmentPool, local_target
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 from sidecar.wire import AUTH_HEADER, POLICY_TO_WIRE, REPAIR_TO_WIRE, TENANT_HEADER, identity_to_wire, layout_to_wire, plan_from_wire, rope_to_wire, tokens_to_wire
@@ -261,14 +261,14 @@ def _fetch_request(
 
 def _fetch_need(items: Sequence["tuple[int, int] | FetchSpec"], layout: KVLayout) -> int:
     """Payload bytes span items will return (plain items: unknown until answered), with room
-    for the sidecar's 64-byte alignment of each payload in a shared-memory buffer."""
+    for the sidecar's alignment of each payload in a shared-memory buffer."""
     rows = sum(it.num_tokens for it in items if isinstance(it, FetchSpec))
-    return rows * layout.bytes_per_token + 64 * len(items) if rows else 0
+    return rows * layout.bytes_per_token + ALIGN * len(items) if rows else 0
 
 
 def _session_need(start: int, end: int | None, layout: KVLayout) -> int:
     """Payload bytes of a FetchSession range, with alignment room for a run per row at most."""
-    return (end - start) * (layout.bytes_per_token + 64) if end is not None and end > start else 0
+    return (end - start) * (layout.bytes_per_token + ALIGN) if end is not None and end > start else 0
 
 
 def _fetch_session_request(

@@ -31,7 +31,7 @@ from sidecar.tiers.codec import payload_nbytes
 
 @dataclass(slots=True)
 class SpanResult:
-    """The answer to one span item: ``payload`` (or, from ``fetch_spans(pieces=True)``,
+    """The answer to one span item: ``payload`` (or, from ``fetch_spans(as_pieces=True)``,
     ``pieces``) None for a miss (any chunk of it missing)."""
 
     index: int
@@ -104,39 +104,42 @@ def _part_widths(layout: KVLayout) -> tuple[int, ...]:
     return tuple(p.bytes_per_token for _ in range(layout.num_layers) for p in layout.parts)
 
 
+def _whole(results: Sequence[FetchResult], rows: Sequence[tuple[int, int]]) -> bool:
+    """The span is exactly one whole chunk (its payload is the span's, as it is)."""
+    return len(results) == 1 and rows[0] == (0, results[0].entry.num_tokens)
+
+
 def join(results: Sequence[FetchResult], rows: Sequence[tuple[int, int]], layout: KVLayout,
          num_tokens: int) -> torch.Tensor:
     """One payload of ``num_tokens`` rows: ``rows[i]`` of ``results[i]``'s chunk, in order.
 
     A payload is one contiguous block per (layer, part), each ``n x width`` bytes, so a join is
     byte slices: one strided numpy copy per chunk when every block has the same width (GQA),
-    else one slice per block. A span that is exactly one whole chunk is that chunk's payload."""
-    if len(results) == 1 and rows[0] == (0, results[0].entry.num_tokens):
+    else ``pieces`` copied back to back. A span that is exactly one whole chunk is that chunk's
+    payload."""
+    if _whole(results, rows):
         return results[0].payload
     out = torch.empty(payload_nbytes(layout, num_tokens), dtype=torch.uint8)
     dst = out.numpy()
     widths = _part_widths(layout)
-    uniform = len(set(widths)) == 1
-    pos = 0
-    for r, (a, b) in zip(results, rows, strict=True):
-        src, n, take = r.payload.numpy(), r.entry.num_tokens, b - a
-        if uniform:
-            w = widths[0]
-            dst.reshape(len(widths), num_tokens, w)[:, pos : pos + take] = src.reshape(len(widths), n, w)[:, a:b]
-        else:
-            s_off = d_off = 0
-            for w in widths:
-                dst[d_off + pos * w : d_off + (pos + take) * w] = src[s_off + a * w : s_off + b * w]
-                s_off += n * w
-                d_off += num_tokens * w
-        pos += take
+    if len(set(widths)) == 1:
+        blocks, w, pos = len(widths), widths[0], 0
+        for r, (a, b) in zip(results, rows, strict=True):
+            src, n = r.payload.numpy(), r.entry.num_tokens
+            dst.reshape(blocks, num_tokens, w)[:, pos : pos + b - a] = src.reshape(blocks, n, w)[:, a:b]
+            pos += b - a
+    else:
+        off = 0
+        for p in pieces(results, rows, layout):
+            dst[off : off + len(p)] = p
+            off += len(p)
     return out
 
 
 def pieces(results: Sequence[FetchResult], rows: Sequence[tuple[int, int]], layout: KVLayout) -> list[memoryview]:
-    """The bytes ``join`` would copy, as slices of the chunks' payloads in payload order (for
-    a gathering write, ``os.pwritev``, into a shared-memory buffer: no joined copy)."""
-    if len(results) == 1 and rows[0] == (0, results[0].entry.num_tokens):
+    """The span's payload bytes as slices of the chunks' payloads, in payload order (for a
+    gathering write, ``os.pwritev``, into a shared-memory buffer: no joined copy)."""
+    if _whole(results, rows):
         return [memoryview(results[0].payload.numpy())]
     srcs = [(memoryview(r.payload.numpy()), r.entry.num_tokens, a, b) for r, (a, b) in zip(results, rows, strict=True)]
     out: list[memoryview] = []

@@ -7,22 +7,23 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 
 import grpc
 import numpy as np
 import pytest
 
-from sidecar.client import SidecarClient
+from sidecar.client import SidecarClient, SyncSidecarClient
 from sidecar.config import AuthConfig
 from sidecar.registry.plan import FetchSpec
-from sidecar.server import create_server
+from sidecar.server import ServerThread, create_server
 from sidecar.shm import HEADER_BYTES, MAGIC, SHM_DIR, Segment, SegmentPool, ShmWriter, local_peer, local_target
 from sidecar.tiers import StoreConfig
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 from sidecar.wire import identity_to_wire, layout_to_wire, rope_to_wire
 from tests.conftest import make_config
-from tests.test_dataplane import IDENT, LAYOUT, SPEC, MiB, check_rotated, conversation, message, store_all
+from tests.test_dataplane import IDENT, LAYOUT, SPEC, MiB, check_rotated, conversation, message, payloads_for, store_all
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm on this host")
 
@@ -308,18 +309,11 @@ def test_concurrent_calls_on_one_client_never_share_a_buffer(rng):
     """Threads fetching through one client: each call has its own buffer while its payloads
     are alive, so every thread reads exactly its own items' bytes (more calls in flight than
     buffers: the rest come inline)."""
-    import threading
-
-    from sidecar.client import SyncSidecarClient
-    from sidecar.server import ServerThread
-
     cfg = make_config(store=StoreConfig(cpu_bytes=64 * MiB), auth=AuthConfig(operators=("a",)))
     with ServerThread(cfg) as st, SyncSidecarClient(st.target, tenant="a") as c, \
             SyncSidecarClient(st.target, tenant="a", shared_memory=False) as inline:
         first, body = conversation(rng, 60)
         meta = c.store(first, identity=IDENT)
-        from tests.test_dataplane import payloads_for
-
         c.store(first, identity=IDENT, layout=LAYOUT, payloads=payloads_for(meta.chunk_bounds))
         second = np.concatenate([message(rng, 310), body]).astype(np.uint32)
         hits = c.lookup(second, identity=IDENT, recompute_tokens=0).hits()

@@ -129,7 +129,7 @@ class SegmentPool:
     def lease(self, need: int = 0) -> Lease | None:
         """A buffer for one call that expects at least ``need`` payload bytes (0: unknown), or
         None (pool closed, all lent, or /dev/shm unusable)."""
-        size = min(self.max_bytes, max(self._want, _round_up(HEADER_BYTES + need))) if need else self._want
+        size = min(self.max_bytes, max(self._want, round_up(HEADER_BYTES + need))) if need else self._want
         drop = None
         with self._lock:
             if self._closed:
@@ -166,7 +166,7 @@ class SegmentPool:
         """Learn from a finished call: if payloads spilled inline, size new buffers for all."""
         if lease.inline:
             with self._lock:
-                self._want = min(self.max_bytes, max(self._want, _round_up(lease.used + lease.inline)))
+                self._want = min(self.max_bytes, max(self._want, round_up(lease.used + lease.inline)))
 
     def _give_back(self, seg: Segment) -> None:
         with self._lock:
@@ -196,7 +196,7 @@ class SegmentPool:
         return len(self._idle)
 
 
-def _round_up(n: int, to: int = 1 << 20) -> int:
+def round_up(n: int, to: int = 1 << 20) -> int:
     return -(-n // to) * to
 
 

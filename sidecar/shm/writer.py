@@ -9,7 +9,7 @@ import stat
 from collections.abc import Sequence
 
 from sidecar.errors import InvalidArgument, PermissionDenied
-from sidecar.shm.segment import ALIGN, HEADER_BYTES, MAGIC, NAME_PATTERN, SHM_DIR, TOKEN_BYTES
+from sidecar.shm.segment import ALIGN, HEADER_BYTES, MAGIC, NAME_PATTERN, SHM_DIR, TOKEN_BYTES, round_up
 
 _LOCAL_PEERS = ("ipv4:127.", "ipv6:[::1]", "ipv6:[::ffff:127.", "unix:", "unix-abstract:")
 
@@ -49,7 +49,7 @@ class ShmWriter:
         except OSError:
             self.failed = True
             return None
-        self._next = -(-(off + n) // ALIGN) * ALIGN
+        self._next = round_up(off + n, ALIGN)
         self.bytes += n
         return off, n
 
