@@ -33,6 +33,7 @@ import numpy as np
 from sidecar.registry.chunker import ChunkerConfig, Chunks, _boundaries, _digests, chunk_tokens
 from sidecar.registry.plan import CARVE_OUT_TOKENS, Fidelity, SegmentKind
 from sidecar.registry.registry import ChunkEntry, ChunkHash
+from sidecar.registry.seeds import ROW_BITS, SEED_TOKENS, chunk_key, seed_key, windows
 from sidecar.registry.table import (
     I_LEN,
     I_NTOK,
@@ -62,6 +63,9 @@ _EXACT = _U(int(Fidelity.EXACT))
 _APPROX = _U(int(Fidelity.APPROXIMATE))
 _CARVE = CARVE_OUT_TOKENS
 _ZERO = _U(0)
+_SEED_W = SEED_TOKENS
+_ROW_BITS = ROW_BITS
+_ROW_MASK = (1 << ROW_BITS) - 1
 
 # A piece (``shaping``): prompt tokens [start, end) are rows [row, row + end - start) of slot.
 _S, _E, _SLOT, _ROW, _X, _C = range(6)
@@ -169,10 +173,267 @@ def _continues(a, i, b, j, su, si):
 
 
 @numba.njit(cache=True, nogil=True)
+def _shape(P, grp, ng, gedge, glo, ghi, tok, n, k, repair_chunks, min_hit, ext_left, ext_right, serve_observed,
+           ht_key, ht_slot, su, si, arena):
+    """Runs (hit segments) of the pieces ``P`` grouped by ``grp`` (``shaping.shape_runs``):
+    coalesce, extend, repair, carve out, fold. ``gedge`` / ``glo`` / ``ghi``: per group, the
+    run's edge (``shape_runs``' edges) and the prompt range its extension stays in. Returns the
+    finished parts' pieces ``F[:nf]``, their ends ``parts[:nparts]``, and every run's extent
+    before repair and folding ``X[:nx]`` (start, end)."""
+    prev_end = glo[0] if ng else 0
+    npc = grp[ng]
+    R = np.empty((2 * (npc + 4), 6), dtype=np.int64)
+    L = np.empty((16, 6), dtype=np.int64)
+    F = np.empty((2 * (npc + 4), 6), dtype=np.int64)
+    parts = np.empty(npc + 4, dtype=np.int64)
+    X = np.empty((ng + 1, 2), dtype=np.int64)
+    nx = 0
+    nf = 0
+    nparts = 0
+    rl = 0
+    has_run = False
+    edge = 0
+    gi = 0
+    while True:
+        close = has_run
+        if gi < ng:
+            g0 = grp[gi]
+            g1 = grp[gi + 1]
+            if has_run and R[rl - 1, _E] == P[g0, _S] and _continues(R, rl - 1, P, g0, su, si):
+                while rl + (g1 - g0) > R.shape[0]:
+                    R = _grow(R)
+                _copy(R, rl, P, g0, g1)
+                rl += g1 - g0
+                close = False
+        if close:
+            # close(run, edge): repair + carve-out at an approximate start, split, fold
+            prev_end = R[rl - 1, _E]
+            X[nx, 0] = R[0, _S]
+            X[nx, 1] = prev_end
+            nx += 1
+            h = 0
+            if R[0, _X] == 0:
+                lo = max(edge + k, _CARVE)
+                if lo > R[0, _S]:
+                    while h < rl and R[h, _E] <= lo:
+                        h += 1
+                    if h < rl and R[h, _S] < lo:
+                        R[h, _ROW] += lo - R[h, _S]
+                        R[h, _S] = lo
+            if h < rl:
+                split = repair_chunks and k > 0
+                cur = h  # first piece of the current part; parts are contiguous runs of R
+                i = h
+                while i < rl:
+                    if split and i > h and R[i, _ROW] == 0 and R[i, _X] == 0:
+                        if i > cur and R[i - 1, _E] - R[cur, _S] >= min_hit:
+                            F, nf, parts, nparts = _emit_part(F, nf, parts, nparts, R, cur, i)
+                        if R[i, _E] - R[i, _S] <= k:
+                            cur = i + 1
+                            i += 1
+                            continue
+                        R[i, _S] += k
+                        R[i, _ROW] = k
+                        cur = i
+                    i += 1
+                if rl > cur and R[rl - 1, _E] - R[cur, _S] >= min_hit:
+                    F, nf, parts, nparts = _emit_part(F, nf, parts, nparts, R, cur, rl)
+            has_run = False
+            rl = 0
+        if gi == ng:
+            break
+        g0 = grp[gi]
+        g1 = grp[gi + 1]
+        if not has_run:
+            p_s = P[g0, _S]
+            edge = gedge[gi]
+            rl = 0
+            if glo[gi] > prev_end:
+                prev_end = glo[gi]
+            if ext_left and P[g0, _ROW] == 0 and p_s > prev_end:
+                # extend_left: stored predecessors matching the prompt backwards from p_s
+                cur_s = P[g0, _SLOT]
+                pos = p_s
+                nl = 0
+                done = False
+                while pos > prev_end and su[cur_s, U_PREV] != _ZERO:
+                    nb = find_slot(ht_key, ht_slot, su[cur_s, U_PREV])
+                    if (not _usable(nb, si[cur_s, I_SCOPE], serve_observed, si)
+                            or si[nb, I_POS] + si[nb, I_NTOK] != si[cur_s, I_POS]
+                            or su[nb, U_NEXT_DIGEST] != su[cur_s, U_PREFIX]):
+                        break
+                    size = si[nb, I_NTOK]
+                    if pos < size:
+                        break  # its first token would sit before position 0: a Fetch item cannot name it
+                    off = si[nb, I_OFF]
+                    mmax = min(size, pos - prev_end)
+                    mt = _trailing(tok[pos - mmax : pos], arena[off + size - mmax : off + size], mmax)
+                    if mt:
+                        if nl == L.shape[0]:
+                            L = _grow(L)
+                        _set(L, nl, pos - mt, pos, nb, size - mt, 0, 0)
+                        nl += 1
+                        pos -= mt
+                    if mt < mmax:
+                        break
+                    if mt < size:
+                        rest = min(size - mt, pos)
+                        extra = _trailing(tok[pos - rest : pos], arena[off + size - mt - rest : off + size - mt], rest)
+                        edge = pos - extra
+                        done = True
+                        break
+                    cur_s = nb
+                if not done:
+                    edge = pos
+                while nl + (g1 - g0) > R.shape[0]:
+                    R = _grow(R)
+                for t in range(nl):
+                    _copy(R, t, L, nl - 1 - t, nl - t)
+                rl = nl
+            while rl + (g1 - g0) > R.shape[0]:
+                R = _grow(R)
+            _copy(R, rl, P, g0, g1)
+            rl += g1 - g0
+            has_run = True
+        if ext_right:
+            lim = P[grp[gi + 1], _S] if gi + 1 < ng else n
+            if ghi[gi] < lim:
+                lim = ghi[gi]
+            if lim > R[rl - 1, _E]:
+                # extend_right: stored successors matching the prompt forwards
+                cur_s = R[rl - 1, _SLOT]
+                if R[rl - 1, _ROW] + R[rl - 1, _E] - R[rl - 1, _S] == si[cur_s, I_NTOK]:
+                    xr = R[rl - 1, _X]
+                    pos = R[rl - 1, _E]
+                    while pos < lim and su[cur_s, U_NEXT] != _ZERO:
+                        nb = find_slot(ht_key, ht_slot, su[cur_s, U_NEXT])
+                        if (not _usable(nb, si[cur_s, I_SCOPE], serve_observed, si)
+                                or si[nb, I_POS] != si[cur_s, I_POS] + si[cur_s, I_NTOK]
+                                or su[nb, U_PREFIX] != su[cur_s, U_NEXT_DIGEST]):
+                            break
+                        size = si[nb, I_NTOK]
+                        off = si[nb, I_OFF]
+                        mmax = min(size, lim - pos)
+                        mt = _leading(tok[pos : pos + mmax], arena[off : off + mmax], mmax)
+                        if mt == 0:
+                            break
+                        if rl == R.shape[0]:
+                            R = _grow(R)
+                        _set(R, rl, pos, pos + mt, nb, 0, xr, 0)
+                        rl += 1
+                        pos += mt
+                        if mt < size:
+                            break
+                        cur_s = nb
+        gi += 1
+    return F, nf, parts, nparts, X, nx
+
+
+@numba.njit(cache=True, nogil=True)
+def _seed_hits(tok, epl, n, X, nx, own_sid, shared_sid, key_seeds, chain_seed, bits, serve_observed, sd_key, sd_val,
+               su, si, arena):
+    """Seed hits in the prompt ranges no run reached (``X[:nx]``: the runs' extents, in order),
+    one piece per hit, extended inside its stored chunk (``seeds``; ``index.seed_pieces``).
+    Returns the pieces ``S[:ns]``, and per piece its edge and the range [lo, hi) it was found in."""
+    S = np.empty((16, 6), dtype=np.int64)
+    aux = np.empty((16, 3), dtype=np.int64)  # edge, lo, hi
+    ns = 0
+    lo = epl
+    for x in range(nx + 1):
+        hi = X[x, 0] if x < nx else n
+        if hi - lo >= _SEED_W:
+            pos, mix = windows(tok, lo, hi, bits)
+            covered = lo
+            for i in range(pos.shape[0]):
+                p = pos[i]
+                if p < covered:
+                    continue
+                slot = -1
+                row = 0
+                for c in range(key_seeds.shape[0]):
+                    sid = own_sid if c == 0 else shared_sid
+                    if sid < 0:
+                        continue
+                    v = find_slot(sd_key, sd_val, seed_key(mix[i], sid))
+                    if v < 0:
+                        continue
+                    cs = v >> _ROW_BITS
+                    cr = v & _ROW_MASK
+                    ln = si[cs, I_LEN]
+                    if si[cs, I_SCOPE] != sid or (not serve_observed and si[cs, I_RESIDENT] == 0):
+                        continue
+                    if ln <= 0 or cr + _SEED_W > ln or p < cr:
+                        continue
+                    off = si[cs, I_OFF]
+                    if _leading(tok[p : p + _SEED_W], arena[off + cr : off + cr + _SEED_W], _SEED_W) != _SEED_W:
+                        continue
+                    if chunk_key(arena, off, off + ln, key_seeds[c], chain_seed) != su[cs, U_KEY]:
+                        continue
+                    slot = cs
+                    row = cr
+                    break
+                if slot < 0:
+                    continue
+                off = si[slot, I_OFF]
+                ln = si[slot, I_LEN]
+                stop = min(hi, p - row + ln)
+                m = stop - p - _SEED_W
+                pr = p + _SEED_W + _leading(tok[p + _SEED_W : stop], arena[off + row + _SEED_W : off + row + _SEED_W + m], m)
+                tmax = min(row, p - covered)
+                t = _trailing(tok[p - tmax : p], arena[off + row - tmax : off + row], tmax)
+                pl = p - t
+                rl = row - t
+                edge = pl
+                if t == tmax and t < row:
+                    # stopped by the range, not by a mismatch: the edge is where the stored tokens stop matching
+                    rest = min(rl, pl)
+                    edge = pl - _trailing(tok[pl - rest : pl], arena[off + rl - rest : off + rl], rest)
+                if ns == S.shape[0]:
+                    S = _grow(S)
+                    aux = _grow(aux)
+                _set(S, ns, pl, pr, slot, rl, 0, 0)
+                aux[ns, 0] = edge
+                aux[ns, 1] = lo
+                aux[ns, 2] = hi
+                ns += 1
+                covered = pr
+        if x < nx:
+            lo = X[x, 1]
+    return S, ns, aux[:ns, 0].copy(), aux[:ns, 1].copy(), aux[:ns, 2].copy()
+
+
+@numba.njit(cache=True, nogil=True)
+def _merge(F, nf, parts, nparts, G, ng, gparts, ngparts):
+    """The finished parts of two shaping passes (each in order, never overlapping) in one order."""
+    M = np.empty((nf + ng + 1, 6), dtype=np.int64)
+    mparts = np.empty(nparts + ngparts + 1, dtype=np.int64)
+    nm = 0
+    i = 0
+    j = 0
+    a = 0
+    b = 0
+    while i < nparts or j < ngparts:
+        if j == ngparts or (i < nparts and F[a, _S] < G[b, _S]):
+            _copy(M, nm, F, a, parts[i])
+            nm += parts[i] - a
+            a = parts[i]
+            i += 1
+        else:
+            _copy(M, nm, G, b, gparts[j])
+            nm += gparts[j] - b
+            b = gparts[j]
+            j += 1
+        mparts[i + j - 1] = nm
+    return M, nm, mparts, nparts + ngparts
+
+
+@numba.njit(cache=True, nogil=True)
 def plan_chunks(tok, bounds, fps, prefix, epl, own_sid, shared_sid, exact_only, k, repair_chunks, min_hit,
-                ext_left, ext_right, serve_observed, ht_key, ht_slot, su, si, arena):
+                ext_left, ext_right, serve_observed, key_seeds, chain_seed, seed_bits, ht_key, ht_slot, su, si, arena,
+                sd_key, sd_val):
     """The plan of ``tok`` (uint32 [n], ``epl`` < n) chunked as ``bounds`` / ``fps`` (uint64
-    [n_seeds, n_chunks]: own scope, then shared) / ``prefix``; see the module docstring."""
+    [n_seeds, n_chunks]: own scope, then shared) / ``prefix`` under ``key_seeds`` (the scopes'
+    seeds) and ``chain_seed`` (the identity's salt); see the module docstring."""
     n = tok.shape[0]
     nck = bounds.shape[0] - 1
     c0 = np.searchsorted(bounds, epl, side="right") - 1
@@ -228,144 +489,23 @@ def plan_chunks(tok, bounds, fps, prefix, epl, own_sid, shared_sid, exact_only, 
     grp[ng] = npc
     header[H_VFAIL] = vfail
 
-    # ---- phase 2: runs (shaping.shape_runs); finished parts go to F, their ends to parts
+    # ---- phase 2: runs (shaping.shape_runs) of the chunk hits, then of seed hits in what they left
     min_hit = min(min_hit, n - epl)
-    R = np.empty((2 * (npc + 4), 6), dtype=np.int64)
-    L = np.empty((16, 6), dtype=np.int64)
-    F = np.empty((2 * (npc + 4), 6), dtype=np.int64)
-    parts = np.empty(npc + 4, dtype=np.int64)
-    nf = 0
-    nparts = 0
-    rl = 0
-    has_run = False
-    edge = 0
-    prev_end = epl
-    gi = 0
-    while True:
-        close = has_run
-        if gi < ng:
-            g0 = grp[gi]
-            g1 = grp[gi + 1]
-            if has_run and R[rl - 1, _E] == P[g0, _S] and _continues(R, rl - 1, P, g0, su, si):
-                while rl + (g1 - g0) > R.shape[0]:
-                    R = _grow(R)
-                _copy(R, rl, P, g0, g1)
-                rl += g1 - g0
-                close = False
-        if close:
-            # close(run, edge): repair + carve-out at an approximate start, split, fold
-            prev_end = R[rl - 1, _E]
-            h = 0
-            if R[0, _X] == 0:
-                lo = max(edge + k, _CARVE)
-                if lo > R[0, _S]:
-                    while h < rl and R[h, _E] <= lo:
-                        h += 1
-                    if h < rl and R[h, _S] < lo:
-                        R[h, _ROW] += lo - R[h, _S]
-                        R[h, _S] = lo
-            if h < rl:
-                split = repair_chunks and k > 0
-                cur = h  # first piece of the current part; parts are contiguous runs of R
-                i = h
-                while i < rl:
-                    if split and i > h and R[i, _ROW] == 0 and R[i, _X] == 0:
-                        if i > cur and R[i - 1, _E] - R[cur, _S] >= min_hit:
-                            F, nf, parts, nparts = _emit_part(F, nf, parts, nparts, R, cur, i)
-                        if R[i, _E] - R[i, _S] <= k:
-                            cur = i + 1
-                            i += 1
-                            continue
-                        R[i, _S] += k
-                        R[i, _ROW] = k
-                        cur = i
-                    i += 1
-                if rl > cur and R[rl - 1, _E] - R[cur, _S] >= min_hit:
-                    F, nf, parts, nparts = _emit_part(F, nf, parts, nparts, R, cur, rl)
-            has_run = False
-            rl = 0
-        if gi == ng:
-            break
-        g0 = grp[gi]
-        g1 = grp[gi + 1]
-        if not has_run:
-            p_s = P[g0, _S]
-            edge = p_s - P[g0, _ROW]
-            rl = 0
-            if ext_left and P[g0, _ROW] == 0 and p_s > prev_end:
-                # extend_left: stored predecessors matching the prompt backwards from p_s
-                cur_s = P[g0, _SLOT]
-                pos = p_s
-                nl = 0
-                done = False
-                while pos > prev_end and su[cur_s, U_PREV] != _ZERO:
-                    nb = find_slot(ht_key, ht_slot, su[cur_s, U_PREV])
-                    if (not _usable(nb, si[cur_s, I_SCOPE], serve_observed, si)
-                            or si[nb, I_POS] + si[nb, I_NTOK] != si[cur_s, I_POS]
-                            or su[nb, U_NEXT_DIGEST] != su[cur_s, U_PREFIX]):
-                        break
-                    size = si[nb, I_NTOK]
-                    if pos < size:
-                        break  # its first token would sit before position 0: a Fetch item cannot name it
-                    off = si[nb, I_OFF]
-                    mmax = min(size, pos - prev_end)
-                    mt = _trailing(tok[pos - mmax : pos], arena[off + size - mmax : off + size], mmax)
-                    if mt:
-                        if nl == L.shape[0]:
-                            L = _grow(L)
-                        _set(L, nl, pos - mt, pos, nb, size - mt, 0, 0)
-                        nl += 1
-                        pos -= mt
-                    if mt < mmax:
-                        break
-                    if mt < size:
-                        rest = min(size - mt, pos)
-                        extra = _trailing(tok[pos - rest : pos], arena[off + size - mt - rest : off + size - mt], rest)
-                        edge = pos - extra
-                        done = True
-                        break
-                    cur_s = nb
-                if not done:
-                    edge = pos
-                while nl + (g1 - g0) > R.shape[0]:
-                    R = _grow(R)
-                for t in range(nl):
-                    _copy(R, t, L, nl - 1 - t, nl - t)
-                rl = nl
-            while rl + (g1 - g0) > R.shape[0]:
-                R = _grow(R)
-            _copy(R, rl, P, g0, g1)
-            rl += g1 - g0
-            has_run = True
-        if ext_right:
-            lim = P[grp[gi + 1], _S] if gi + 1 < ng else n
-            if lim > R[rl - 1, _E]:
-                # extend_right: stored successors matching the prompt forwards
-                cur_s = R[rl - 1, _SLOT]
-                if R[rl - 1, _ROW] + R[rl - 1, _E] - R[rl - 1, _S] == si[cur_s, I_NTOK]:
-                    xr = R[rl - 1, _X]
-                    pos = R[rl - 1, _E]
-                    while pos < lim and su[cur_s, U_NEXT] != _ZERO:
-                        nb = find_slot(ht_key, ht_slot, su[cur_s, U_NEXT])
-                        if (not _usable(nb, si[cur_s, I_SCOPE], serve_observed, si)
-                                or si[nb, I_POS] != si[cur_s, I_POS] + si[cur_s, I_NTOK]
-                                or su[nb, U_PREFIX] != su[cur_s, U_NEXT_DIGEST]):
-                            break
-                        size = si[nb, I_NTOK]
-                        off = si[nb, I_OFF]
-                        mmax = min(size, lim - pos)
-                        mt = _leading(tok[pos : pos + mmax], arena[off : off + mmax], mmax)
-                        if mt == 0:
-                            break
-                        if rl == R.shape[0]:
-                            R = _grow(R)
-                        _set(R, rl, pos, pos + mt, nb, 0, xr, 0)
-                        rl += 1
-                        pos += mt
-                        if mt < size:
-                            break
-                        cur_s = nb
-        gi += 1
+    gedge = np.empty(ng + 1, dtype=np.int64)
+    for gi in range(ng):
+        gedge[gi] = P[grp[gi], _S] - P[grp[gi], _ROW]  # the chunk's start (the piece may begin at the engine prefix)
+    glo = np.full(ng + 1, epl, dtype=np.int64)
+    ghi = np.full(ng + 1, n, dtype=np.int64)
+    F, nf, parts, nparts, X, nx = _shape(P, grp, ng, gedge, glo, ghi, tok, n, k, repair_chunks, min_hit, ext_left,
+                                         ext_right, serve_observed, ht_key, ht_slot, su, si, arena)
+    if seed_bits >= 0 and not exact_only:
+        S, ns, sedge, slo, shi = _seed_hits(tok, epl, n, X, nx, own_sid, shared_sid, key_seeds, chain_seed, seed_bits,
+                                            serve_observed, sd_key, sd_val, su, si, arena)
+        if ns:
+            sgrp = np.arange(ns + 1, dtype=np.int64)
+            F2, nf2, parts2, nparts2, _, _ = _shape(S, sgrp, ns, sedge, slo, shi, tok, n, k, repair_chunks, min_hit,
+                                                    ext_left, ext_right, serve_observed, ht_key, ht_slot, su, si, arena)
+            F, nf, parts, nparts = _merge(F, nf, parts, nparts, F2, nf2, parts2, nparts2)
 
     # ---- emission: rows tiling [0, n), segment lengths, keys to touch
     nrows = 1 if epl > 0 else 0
@@ -448,13 +588,14 @@ def plan_chunks(tok, bounds, fps, prefix, epl, own_sid, shared_sid, exact_only, 
 
 @numba.njit(cache=True, nogil=True)
 def plan_tokens(tok, anchors, marker_flat, marker_offsets, mask, min_size, max_size, seeds, chain_seed, epl, own_sid,
-                shared_sid, exact_only, k, repair_chunks, min_hit, ext_left, ext_right, serve_observed, ht_key,
-                ht_slot, su, si, arena):
+                shared_sid, exact_only, k, repair_chunks, min_hit, ext_left, ext_right, serve_observed, seed_bits,
+                ht_key, ht_slot, su, si, arena, sd_key, sd_val):
     """``plan_chunks`` of ``tok`` chunked in the same call (``chunker.chunk_tokens``)."""
     bounds = _boundaries(tok, anchors, marker_flat, marker_offsets, mask, min_size, max_size)
     fps, prefix, _ = _digests(tok, bounds, seeds, chain_seed)
     return plan_chunks(tok, bounds, fps, prefix, epl, own_sid, shared_sid, exact_only, k, repair_chunks, min_hit,
-                       ext_left, ext_right, serve_observed, ht_key, ht_slot, su, si, arena)
+                       ext_left, ext_right, serve_observed, seeds, chain_seed, seed_bits, ht_key, ht_slot, su, si,
+                       arena, sd_key, sd_val)
 
 
 def plan(
@@ -471,36 +612,39 @@ def plan(
     extend_left: bool,
     extend_right: bool,
     serve_observed: bool,
+    seeds: np.ndarray,
+    chain_seed: int,
     chunks: Chunks | None = None,
     chunker: ChunkerConfig | None = None,
-    seeds: np.ndarray | None = None,
-    chain_seed: int = 0,
 ) -> np.ndarray:
     """Plan ``tokens`` (uint32 ``[n]``, ``engine_prefix_len`` < n) for ``scope``, and for
-    ``shared_scope`` too when not None (``chunks.fingerprints`` / ``seeds`` then have two rows,
-    own scope first). Either ``chunks`` (already computed) or ``chunker`` + ``seeds`` (uint64
-    ``[n_scopes]``) + ``chain_seed`` (chunked in the same call). The switches are the reference
-    planner's (``shaping.shape_runs``; ``serve_observed``: a dry run). Returns the kernel's
-    packed output (module docstring). Syncs ``table``, then only reads it."""
+    ``shared_scope`` too when not None (``seeds`` (uint64 ``[n_scopes]``, the scopes' key
+    seeds) and ``chunks.fingerprints`` then have two rows, own scope first) under the identity
+    salt ``chain_seed``. Either ``chunks`` (already computed) or ``chunker`` (chunked in the
+    same call). The switches are the reference planner's (``shaping.shape_runs``;
+    ``serve_observed``: a dry run); seed hits follow the table's ``seed_bits``. Returns the
+    kernel's packed output (module docstring). Syncs ``table``, then only reads it."""
     table.sync()
     ids = table.scope_ids
     own = ids.get(scope, -1)
     shared = ids.get(shared_scope, -2) if shared_scope is not None else -2
+    t = table
     if chunks is not None:
         return plan_chunks(tokens, chunks.bounds, chunks.fingerprints, chunks.prefix_digests, engine_prefix_len, own,
                            shared, exact_only, recompute_tokens, repair_chunks, min_hit_tokens, extend_left,
-                           extend_right, serve_observed, table.ht_key, table.ht_slot, table.su, table.si, table.arena)
+                           extend_right, serve_observed, seeds, _U(chain_seed), t.seed_bits, t.ht_key, t.ht_slot, t.su,
+                           t.si, t.arena, t.sd_key, t.sd_val)
     c = chunker
     return plan_tokens(tokens, c._anchors, c._marker_flat, c._marker_offsets, _U(c.mask), c.min_size, c.max_size, seeds,
                        _U(chain_seed), engine_prefix_len, own, shared, exact_only, recompute_tokens, repair_chunks,
-                       min_hit_tokens, extend_left, extend_right, serve_observed, table.ht_key, table.ht_slot,
-                       table.su, table.si, table.arena)
+                       min_hit_tokens, extend_left, extend_right, serve_observed, t.seed_bits, t.ht_key, t.ht_slot,
+                       t.su, t.si, t.arena, t.sd_key, t.sd_val)
 
 
 def warmup(chunker: ChunkerConfig) -> None:
     """Compile (or load from numba's cache) the planner and the mirror's kernels before the
     first request, with the argument types Lookups use."""
-    table = RegistryTable(8)
+    table = RegistryTable(8, seed_bits=0)
     tokens = np.frombuffer(np.arange(600, dtype="<u4").tobytes(), dtype="<u4")  # read-only, as from the wire
     entry = ChunkEntry(key=ChunkHash(1), scope="warmup", tokens=tokens[:40].tobytes(), source_pos=0, prefix_digest=0,
                        left_context=b"")
@@ -513,6 +657,6 @@ def warmup(chunker: ChunkerConfig) -> None:
                     extend_left=True, extend_right=True, serve_observed=False)
     plan(table, tokens, "warmup", "shared", chunker=chunker, seeds=seeds, chain_seed=3, **switches)
     chunks = chunk_tokens(tokens, chunker, seeds, 3)
-    plan(table, tokens, "warmup", "shared", chunks=chunks, **switches)
+    plan(table, tokens, "warmup", "shared", seeds=seeds, chain_seed=3, chunks=chunks, **switches)
     table.remove(entry.key)
     table.sync()

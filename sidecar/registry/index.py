@@ -49,8 +49,9 @@ from sidecar.registry.plan import (
     SegmentKind,
 )
 from sidecar.registry.registry import ChunkEntry, ChunkHash, EntryState, InMemoryRegistry
-from sidecar.registry.shaping import shape_runs
-from sidecar.registry.table import RegistryTable
+from sidecar.registry.seeds import SEED_TOKENS, chunk_key, seed_key, unpack
+from sidecar.registry.shaping import seed_pieces, shape_runs
+from sidecar.registry.table import U_KEY, RegistryTable
 
 _HIT = int(SegmentKind.CHUNK_HIT)
 _PREFILL = int(SegmentKind.PREFILL)
@@ -137,6 +138,18 @@ class ChunkIndex:
         self.reference_lookups += 1
         return self.lookup_reference(q, chunks)
 
+    def _key_seeds(self, identity: CacheIdentity, scope: str, search_shared: bool) -> np.ndarray:
+        """uint64 ``[n_scopes]``: the key seeds of ``scope`` (and the shared scope) under ``identity``."""
+        salt = identity.salt
+        seeds = self._seeds.get((salt, scope, search_shared))
+        if seeds is None:
+            if len(self._seeds) >= _SEED_CACHE:
+                self._seeds.clear()
+            scopes = (scope, SHARED_SCOPE) if search_shared else (scope,)
+            seeds = np.array([identity.scope_seed(s) for s in scopes], dtype=np.uint64)
+            self._seeds[(salt, scope, search_shared)] = seeds
+        return seeds
+
     def _lookup_compiled(self, q: LookupQuery, chunks: Chunks | None, table: RegistryTable) -> LookupPlan | None:
         """``compiled.plan`` of ``q``, touches and counts applied; None: the kernel could not
         decide (nothing was changed)."""
@@ -148,23 +161,15 @@ class ChunkIndex:
         extend = cfg.extend_hits
         if chunks is None:
             search_shared = scope != SHARED_SCOPE and reg.scope_entries(SHARED_SCOPE) > 0
-            salt = q.identity.salt
-            seeds = self._seeds.get((salt, scope, search_shared))
-            if seeds is None:
-                if len(self._seeds) >= _SEED_CACHE:
-                    self._seeds.clear()
-                scopes = (scope, SHARED_SCOPE) if search_shared else (scope,)
-                seeds = np.array([q.identity.scope_seed(s) for s in scopes], dtype=np.uint64)
-                self._seeds[(salt, scope, search_shared)] = seeds
         else:
             search_shared = len(chunks.fingerprints) > 1
-            seeds = salt = None
+        seeds = self._key_seeds(q.identity, scope, search_shared)
         out = compiled.plan(
             table, q.tokens, scope, SHARED_SCOPE if search_shared else None,
             engine_prefix_len=epl, exact_only=exact_only, recompute_tokens=q.recompute_tokens,
             repair_chunks=q.repair_scope is RepairScope.CHUNK, min_hit_tokens=cfg.min_hit_tokens,
             extend_left=extend and not exact_only, extend_right=extend, serve_observed=q.dry_run,
-            chunks=chunks, chunker=self.chunker, seeds=seeds, chain_seed=salt or 0,
+            chunks=chunks, chunker=self.chunker, seeds=seeds, chain_seed=q.identity.salt,
         )
         status, nrows, nseg, ntouch, _nb, total, hits, exact, shifted, vfail = out[: compiled.HEADER].tolist()
         if status != compiled.PLANNED:
@@ -256,12 +261,7 @@ class ChunkIndex:
                 group = [[seg, b, entry, seg - a, exact, True]]
                 groups.append(group)
             last, last_end, last_exact = entry, b, exact
-        runs = shape_runs(
-            groups,
-            q.tokens,
-            epl,
-            n,
-            reg.peek,
+        shaping = dict(
             extend_left_=extend and not exact_only and not window,
             extend_right_=extend,
             serve_observed=serve_observed,
@@ -269,6 +269,21 @@ class ChunkIndex:
             repair_chunks=q.repair_scope is RepairScope.CHUNK,
             min_hit_tokens=cfg.min_hit_tokens,
         )
+        extents: list[tuple[int, int]] = []
+        runs = shape_runs(groups, q.tokens, epl, n, reg.peek, extents=extents, **shaping)
+        table = reg.table
+        if table is not None and table.seed_bits >= 0 and not exact_only and not window:
+            # Seed hits in what the chunk hits' runs did not reach (``seeds``), shaped the same way.
+            gaps, lo = [], epl
+            for a, b in extents:
+                gaps.append((lo, a))
+                lo = b
+            gaps.append((lo, n))
+            find = self._seed_finder(q, scopes, table)
+            sgroups, edges, limits = seed_pieces(gaps, q.tokens, find, table.seed_bits)
+            if sgroups:
+                runs += shape_runs(sgroups, q.tokens, epl, n, reg.peek, edges=edges, limits=limits, **shaping)
+                runs.sort(key=lambda run: run[0][0])
         pos = epl
         exact_tokens = shifted_tokens = hits = 0
         seg_tokens: list[int] = []
@@ -300,6 +315,41 @@ class ChunkIndex:
             rows, summary=summary, dry_run=q.dry_run, chunk_bounds=bounds[c0:].astype(np.uint32),
             hit_segment_tokens=seg_tokens,
         )
+
+    def _seed_finder(self, q: LookupQuery, scopes: tuple[str, ...],
+                     table: RegistryTable) -> Callable[[int, int], tuple[ChunkEntry, int] | None]:
+        """``seed_pieces``' ``find`` for ``q``: the entry holding a seed window at prompt
+        position ``p`` (mixed hash ``mix``) and the window's row, in the first of ``scopes``
+        whose seed map names one that may serve it (``seeds``: scope, state, tokens, a whole
+        window in the chunk at a non-negative chunk start, the identity's key)."""
+        reg = self.registry
+        tokens = q.tokens
+        salt = q.identity.salt
+        probes = [(table.scope_ids[s], s, q.identity.scope_seed(s)) for s in scopes if s in table.scope_ids]
+        w = SEED_TOKENS
+
+        def find(p: int, mix: int) -> tuple[ChunkEntry, int] | None:
+            for sid, scope, key_seed in probes:
+                value = table.seed(int(seed_key(np.uint64(mix), sid)))
+                if value < 0:
+                    continue
+                slot, row = unpack(value)
+                entry = reg.peek(int(table.su[slot, U_KEY]))
+                if entry is None or entry.scope != scope or not entry.tokens:
+                    continue
+                if not q.dry_run and entry.state is not EntryState.RESIDENT:
+                    continue
+                if row + w > entry.num_tokens or p < row:
+                    continue
+                stored = np.frombuffer(entry.tokens, dtype="<u4")
+                if not np.array_equal(tokens[p : p + w], stored[row : row + w]):
+                    continue
+                if int(chunk_key(stored, 0, len(stored), np.uint64(key_seed), np.uint64(salt))) != entry.key:
+                    continue
+                return entry, row
+            return None
+
+        return find
 
     # ----------------------------------------------------------------------------- register
 

@@ -34,6 +34,7 @@ from typing import NewType
 
 import xxhash
 
+from sidecar.registry.seeds import interval_bits
 from sidecar.registry.table import RegistryTable
 
 ChunkHash = NewType("ChunkHash", int)
@@ -118,6 +119,11 @@ class RegistryConfig:
     #: Lookup: extend every hit segment token by token into the stored chunks next to it (same
     #: stored sequence, same delta), so a hit reaches the true edges of the reused text.
     extend_hits: bool = True
+    #: Lookup: one seed window per this many stored tokens on average (a power of two; 0 turns
+    #: seeds off): entry points finer than a chunk, so text moved without a chunk cut of its own
+    #: is still found and extended (``seeds``). Needs ``compiled_lookup`` (the seed map lives in
+    #: the mirror); ~2 bytes a stored token at 16.
+    seed_interval: int = 16
     #: Lookup: plan in one compiled call over a flat mirror of the registry (``table``,
     #: ``compiled``; ~4 bytes a token and ~130 bytes a chunk more memory, outside
     #: ``capacity_bytes``). False: the Python planner only, no mirror. Plans are identical.
@@ -134,6 +140,7 @@ class RegistryConfig:
             raise ValueError("registry.left_context_tokens must be >= 0")
         if self.min_hit_tokens < 0:
             raise ValueError("registry.min_hit_tokens must be >= 0")
+        interval_bits(self.seed_interval)  # raises on a bad value
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +180,8 @@ class InMemoryRegistry:
         self.protected: set[int] = set()
         #: The compiled planner's mirror of the entries (None without ``compiled_lookup``).
         self.table: RegistryTable | None = (
-            RegistryTable(min(config.capacity_entries, 1024)) if config.compiled_lookup else None
+            RegistryTable(min(config.capacity_entries, 1024), interval_bits(config.seed_interval))
+            if config.compiled_lookup else None
         )
 
     def __len__(self) -> int:

@@ -55,6 +55,7 @@ import numpy as np
 
 from sidecar.registry.plan import CARVE_OUT_TOKENS
 from sidecar.registry.registry import ChunkEntry, EntryState
+from sidecar.registry.seeds import SEED_TOKENS, windows
 
 _RESIDENT = EntryState.RESIDENT
 
@@ -175,10 +176,18 @@ def shape_runs(
     recompute_tokens: int = 0,
     repair_chunks: bool = False,
     min_hit_tokens: int = 0,
+    edges: list[int] | None = None,
+    limits: list[tuple[int, int]] | None = None,
+    extents: list[tuple[int, int]] | None = None,
 ) -> list[list[list]]:
     """Runs (hit segments) from the chunk-hit pieces, given in ``groups`` of pieces that
     already continue each other (``continues``; the planner groups them as it finds them);
-    never overlapping each other or the engine prefix, in order."""
+    never overlapping each other or the engine prefix, in order.
+
+    ``edges``: per group, where the prompt starts to equal the stored sequence (default: the
+    first piece's chunk start); ``limits``: per group, the prompt range [lo, hi) its extension
+    stays in (default: everything); ``extents``: if given, receives every run's [start, end)
+    before repair and folding."""
     runs: list[list[list]] = []
     k = recompute_tokens
     # A hit covering everything after the engine prefix is kept however short: folding it would
@@ -186,6 +195,8 @@ def shape_runs(
     min_hit_tokens = min(min_hit_tokens, n - engine_prefix_len)
 
     def close(run: list[list], edge: int) -> None:
+        if extents is not None:
+            extents.append((run[0][0], run[-1][1]))
         if not run[0][4]:  # approximate start: boundary repair and the carve-out
             lo = max(edge + k, CARVE_OUT_TOKENS)
             if lo > run[0][0]:
@@ -202,7 +213,7 @@ def shape_runs(
 
     run: list[list] | None = None
     edge = 0
-    prev_end = engine_prefix_len
+    prev_end = limits[0][0] if limits else engine_prefix_len
     count = len(groups)
     for i, g in enumerate(groups):
         p = g[0]
@@ -215,15 +226,75 @@ def shape_runs(
                 run = None
         if run is None:
             run = list(g)
-            edge = p[0] - p[3]  # the chunk's start (the piece may begin at the engine prefix)
+            edge = edges[i] if edges else p[0] - p[3]  # the chunk's start (the piece may begin at the engine prefix)
+            if limits:
+                prev_end = max(prev_end, limits[i][0])
             if extend_left_ and p[3] == 0 and p[0] > prev_end:
                 left, edge = extend_left(p, prev_end, tokens, peek, serve_observed)
                 if left:
                     run = left + run
         if extend_right_:
             lim = groups[i + 1][0][0] if i + 1 < count else n
+            if limits:
+                lim = min(lim, limits[i][1])
             if lim > run[-1][1]:
                 run += extend_right(run[-1], lim, tokens, peek, serve_observed)
     if run is not None:
         close(run, edge)
     return runs
+
+
+def _match_back(x: np.ndarray, y: np.ndarray) -> int:
+    """Number of trailing tokens on which x and y (same length) agree."""
+    neq = np.flatnonzero(x != y)
+    return len(x) - 1 - int(neq[-1]) if len(neq) else len(x)
+
+
+def _match_forward(x: np.ndarray, y: np.ndarray) -> int:
+    """Number of leading tokens on which x and y (same length) agree."""
+    neq = np.flatnonzero(x != y)
+    return int(neq[0]) if len(neq) else len(x)
+
+
+def seed_pieces(
+    gaps: list[tuple[int, int]],
+    tokens: np.ndarray,
+    find: Callable[[int, int], tuple[ChunkEntry, int] | None],
+    bits: int,
+) -> tuple[list[list[list]], list[int], list[tuple[int, int]]]:
+    """Seed hits in the prompt ranges ``gaps`` (``seeds``): scanning each range from the left,
+    a seed window not yet covered whose stored copy ``find(p, mix)`` accepts (the entry and the
+    window's row, or None) becomes one piece, extended token by token inside that chunk within
+    the range. Returns one group per piece, and per group its edge and range (``shape_runs``'
+    ``edges`` / ``limits``)."""
+    groups: list[list[list]] = []
+    edges: list[int] = []
+    limits: list[tuple[int, int]] = []
+    w = SEED_TOKENS
+    for lo, hi in gaps:
+        if hi - lo < w:
+            continue
+        pos, mix = windows(tokens, lo, hi, bits)
+        covered = lo
+        for p, m in zip(pos.tolist(), mix.tolist()):
+            if p < covered:
+                continue
+            found = find(p, m)
+            if found is None:
+                continue
+            entry, row = found
+            ref = _tokens_of(entry)
+            stop = min(hi, p - row + entry.num_tokens)
+            pr = p + w + _match_forward(tokens[p + w : stop], ref[row + w : row + stop - p])
+            tmax = min(row, p - covered)
+            t = _match_back(tokens[p - tmax : p], ref[row - tmax : row])
+            pl, rl = p - t, row - t
+            edge = pl
+            if t == tmax and t < row:  # stopped by the range, not by a mismatch
+                rest = min(rl, pl)
+                edge = pl - _match_back(tokens[pl - rest : pl], ref[rl - rest : rl])
+            groups.append([[pl, pr, entry, rl, False, False]])
+            edges.append(edge)
+            limits.append((lo, hi))
+            covered = pr
+    return groups, edges, limits

@@ -16,6 +16,10 @@ holds what the planner reads in flat arrays a compiled kernel walks without the 
     arena   uint32 [acap]      every entry's tokens, appended; compacted when garbage (tokens
                                of deleted entries) outweighs live tokens; grows by doubling
 
+    seed map (``seeds``; open addressing like the hash table, load <= 1/2)
+      sd_key  uint64 [scap]   seed key (window hash x scope)
+      sd_val  int64  [scap]   slot << ROW_BITS | row of the window, -1 = empty
+
 Scopes are small integers (``scope_id``), assigned on first use and never reused.
 
 Maintenance is a log: the registry records each mutation (``add``, ``put``, ``set_tokens``,
@@ -28,8 +32,9 @@ recorded: the registry does it in ``insert``, ``update``, ``link``, ``set_state`
 else are not seen by the compiled planner.
 
 Memory, outside ``registry.capacity_bytes``: ``4 x tokens`` bytes of arena per entry (a second
-copy of ``ChunkEntry.tokens``), 96 bytes of slot arrays and 32-64 bytes of hash table; every
-array grows by doubling (100K entries of 128 tokens: 80 MiB).
+copy of ``ChunkEntry.tokens``), 96 bytes of slot arrays, 32-64 bytes of hash table and ~32
+bytes per seed (``seeds``: one per ``registry.seed_interval`` tokens); every array grows by
+doubling (100K entries of 128 tokens: 80 MiB, and 25 MiB of seeds at interval 16).
 
 Thread-safety: owned by the registry (the server's event loop); the kernels release the GIL
 but the arrays must not change while a planner call reads them.
@@ -42,6 +47,8 @@ from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
+
+from sidecar.registry.seeds import ROW_BITS, SEED_TOKENS, seed_key, windows
 
 #: ``su`` columns (uint64)
 U_KEY, U_PREFIX, U_NEXT_DIGEST, U_PREV, U_NEXT = range(5)
@@ -155,7 +162,54 @@ def _compact(si, high, arena, acap):
 
 
 @numba.njit(cache=True, nogil=True)
-def _apply(log, toks, ht_key, ht_slot, su, si, arena, free, ctr):
+def _seed_add(sd_key, sd_val, arena, s, si, bits, ctr):
+    """Map every seed window of slot ``s``'s tokens to it (the last chunk registered with a
+    window owns it); grows the map past load 1/2. Returns the (possibly new) map."""
+    off = si[s, I_OFF]
+    ln = si[s, I_LEN]
+    if bits < 0 or ln < SEED_TOKENS:
+        return sd_key, sd_val
+    pos, mix = windows(arena, off, off + ln, bits)
+    scope = si[s, I_SCOPE]
+    for i in range(pos.shape[0]):
+        row = pos[i] - off
+        if row >> ROW_BITS:
+            break
+        key = seed_key(mix[i], scope)
+        val = (s << ROW_BITS) | row
+        j = _probe(sd_key, sd_val, key)
+        if j >= 0:
+            sd_val[j] = val
+            continue
+        if 2 * (ctr[5] + 1) > sd_key.shape[0]:
+            sd_key, sd_val = _rehash(sd_key, sd_val, 2 * sd_key.shape[0])
+        _ht_insert(sd_key, sd_val, key, val)
+        ctr[5] += 1
+    return sd_key, sd_val
+
+
+@numba.njit(cache=True, nogil=True)
+def _seed_remove(sd_key, sd_val, arena, s, si, bits, ctr):
+    """Forget the seed windows slot ``s`` (about to be freed) owns."""
+    off = si[s, I_OFF]
+    ln = si[s, I_LEN]
+    if bits < 0 or ln < SEED_TOKENS:
+        return
+    pos, mix = windows(arena, off, off + ln, bits)
+    scope = si[s, I_SCOPE]
+    for i in range(pos.shape[0]):
+        row = pos[i] - off
+        if row >> ROW_BITS:
+            break
+        key = seed_key(mix[i], scope)
+        j = _probe(sd_key, sd_val, key)
+        if j >= 0 and sd_val[j] == (s << ROW_BITS) | row:
+            _ht_delete(sd_key, sd_val, key)
+            ctr[5] -= 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _apply(log, toks, ht_key, ht_slot, su, si, arena, free, ctr, sd_key, sd_val, bits):
     """Apply ``log`` records in order. ``toks``: the tokens of OP_ADD / OP_TOKENS records, in
     record order. ``ctr``: [live entries, high-water slot, free count, arena used, garbage].
     The caller has made room: slots for every add, load <= 1/2, arena space for ``toks``."""
@@ -189,6 +243,7 @@ def _apply(log, toks, ht_key, ht_slot, su, si, arena, free, ctr):
                 arena[ctr[3] : ctr[3] + ln] = toks[t : t + ln]
                 ctr[3] += ln
                 t += ln
+                sd_key, sd_val = _seed_add(sd_key, sd_val, arena, s, si, bits, ctr)
         elif op == 2:  # put: resident, pos, prefix, next_digest, prev, next
             s = find_slot(ht_key, ht_slot, key)
             if s < 0:
@@ -207,6 +262,7 @@ def _apply(log, toks, ht_key, ht_slot, su, si, arena, free, ctr):
                 si[s, I_LEN] = ln
                 arena[ctr[3] : ctr[3] + ln] = toks[t : t + ln]
                 ctr[3] += ln
+                sd_key, sd_val = _seed_add(sd_key, sd_val, arena, s, si, bits, ctr)
             t += ln if ln > 0 else 0
         elif op == 4:  # delete
             s = _ht_delete(ht_key, ht_slot, key)
@@ -214,21 +270,25 @@ def _apply(log, toks, ht_key, ht_slot, su, si, arena, free, ctr):
                 continue
             ctr[0] -= 1
             if si[s, I_LEN] > 0:
+                _seed_remove(sd_key, sd_val, arena, s, si, bits, ctr)
                 ctr[4] += si[s, I_LEN]
             si[s, I_SCOPE] = -1
             si[s, I_LEN] = -1
             free[ctr[2]] = s
             ctr[2] += 1
+    return sd_key, sd_val
 
 
 class RegistryTable:
     """The planner's view of one ``InMemoryRegistry`` (see the module docstring).
 
     ``capacity``: initial slots (and half the initial hash buckets); everything grows by
-    doubling, so a small value only costs regrowth (the tests use it to force probe chains)."""
+    doubling, so a small value only costs regrowth (the tests use it to force probe chains).
+    ``seed_bits``: ``seeds.interval_bits`` of ``registry.seed_interval`` (-1: no seed map)."""
 
-    def __init__(self, capacity: int = 1024) -> None:
+    def __init__(self, capacity: int = 1024, seed_bits: int = -1) -> None:
         cap = max(8, 1 << (int(capacity) - 1).bit_length())
+        self.seed_bits = seed_bits
         self.scope_ids: dict[str, int] = {}
         self.ht_key = np.zeros(2 * cap, dtype=np.uint64)
         self.ht_slot = np.full(2 * cap, _EMPTY, dtype=np.int64)
@@ -236,8 +296,10 @@ class RegistryTable:
         self.si = np.full((cap, 6), -1, dtype=np.int64)
         self.free = np.zeros(cap, dtype=np.int64)
         self.arena = np.zeros(16 * cap, dtype=np.uint32)
-        #: [live entries, high-water slot, free slots, arena words used, arena garbage words]
-        self.ctr = np.zeros(5, dtype=np.int64)
+        self.sd_key = np.zeros(2 * cap, dtype=np.uint64)
+        self.sd_val = np.full(2 * cap, _EMPTY, dtype=np.int64)
+        #: [live entries, high-water slot, free slots, arena words used, arena garbage words, seeds]
+        self.ctr = np.zeros(6, dtype=np.int64)
         self._log = array("Q")
         self._toks = bytearray()
         self._adds = 0
@@ -295,7 +357,8 @@ class RegistryTable:
         log = np.frombuffer(self._log, dtype=np.uint64)
         toks = np.frombuffer(self._toks, dtype="<u4") if self._toks else np.zeros(0, dtype=np.uint32)
         self._reserve(self._adds, len(toks))
-        _apply(log, toks, self.ht_key, self.ht_slot, self.su, self.si, self.arena, self.free, self.ctr)
+        self.sd_key, self.sd_val = _apply(log, toks, self.ht_key, self.ht_slot, self.su, self.si, self.arena, self.free,
+                                          self.ctr, self.sd_key, self.sd_val, self.seed_bits)
         self._log = array("Q")
         self._toks = bytearray()
         self._adds = 0
@@ -303,7 +366,7 @@ class RegistryTable:
     def _reserve(self, adds: int, words: int) -> None:
         """Room for ``adds`` new slots and ``words`` arena words (grow by doubling; compact the
         arena first when garbage outweighs live tokens)."""
-        live, high, nfree, used, garbage = self.ctr.tolist()
+        live, high, nfree, used, garbage, _ = self.ctr.tolist()
         cap = len(self.si)
         if high + adds > cap:
             new = max(2 * cap, 1 << (high + adds - 1).bit_length())
@@ -340,6 +403,11 @@ class RegistryTable:
         """Slot of ``key`` or -1 (tests and tools)."""
         self.sync()
         return int(find_slot(self.ht_key, self.ht_slot, np.uint64(key)))
+
+    def seed(self, key: int) -> int:
+        """The seed map's value for ``key`` (``seeds.unpack``), or -1 (the reference planner)."""
+        self.sync()
+        return int(find_slot(self.sd_key, self.sd_val, np.uint64(key)))
 
     def tokens(self, slot: int) -> np.ndarray | None:
         """The arena tokens of ``slot`` (a view), or None when they are not known."""

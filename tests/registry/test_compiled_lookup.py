@@ -3,7 +3,8 @@
 Two chunk indexes are fed the same operations (registrations in several scopes and states,
 state changes, deletions, evictions, canonical-copy moves, relinks, entries recovered without
 tokens, 64-bit collisions, a key of one tenant holding another tenant's entry): one plans with
-the reference planner only (``compiled_lookup=False``, no mirror), the other compiles. Every
+the reference planner only (``lookup_reference``; its mirror serves only the seed map), the
+other compiles. Every
 Lookup (random policy, k, repair scope, engine prefix, dry run, scope, chunks given or not) must
 give the same plan table, summary, chunk bounds and hit segment lengths, and leave both
 registries in the same state (recency orders, hit counts, stats, adopted tokens). The mirror is
@@ -35,6 +36,7 @@ from sidecar.registry.table import (
     U_PREV,
     RegistryTable,
 )
+from sidecar.registry.seeds import SEED_TOKENS, seed_key, unpack, windows
 from tests.conftest import ANCHOR_BASE, ANCHORS
 
 #: small chunks: many chunks, links and extensions per prompt
@@ -60,6 +62,22 @@ def check_mirror(reg: InMemoryRegistry) -> None:
             assert table.tokens(s).tobytes() == e.tokens
         else:
             assert si[I_LEN] == -1 and table.tokens(s) is None
+    check_seed_map(table)
+
+
+def check_seed_map(table: RegistryTable) -> None:
+    """Every seed names a live slot whose tokens hold that window at that row, in that scope."""
+    used = np.flatnonzero(table.sd_val >= 0)
+    assert len(used) == table.ctr[5] and 2 * len(used) <= len(table.sd_val)
+    if table.seed_bits < 0:
+        assert not len(used)
+    for i in used.tolist():
+        slot, row = unpack(int(table.sd_val[i]))
+        tokens = table.tokens(slot)
+        assert table.si[slot, I_SCOPE] >= 0 and tokens is not None and row + SEED_TOKENS <= len(tokens)
+        pos, mix = windows(tokens, row, row + SEED_TOKENS, table.seed_bits)
+        assert pos.tolist() == [row]
+        assert int(seed_key(mix[0], table.si[slot, I_SCOPE])) == int(table.sd_key[i])
 
 
 def registry_state(reg: InMemoryRegistry) -> tuple:
@@ -77,9 +95,10 @@ class Twin:
 
     def __init__(self, rng: np.random.Generator, **config) -> None:
         self.rng = rng
-        self.ref = ChunkIndex(CHUNKER, InMemoryRegistry(RegistryConfig(compiled_lookup=False, **config)))
+        self.ref = ChunkIndex(CHUNKER, InMemoryRegistry(RegistryConfig(**config)))
         self.cmp = ChunkIndex(CHUNKER, InMemoryRegistry(RegistryConfig(**config)))
-        self.cmp.registry.table = RegistryTable(8)  # tiny: long probe chains, regrowth, rehashing
+        bits = self.cmp.registry.table.seed_bits
+        self.cmp.registry.table = RegistryTable(8, bits)  # tiny: long probe chains, regrowth, rehashing
         self.seqs: list[np.ndarray] = []
 
     def both(self, fn):
@@ -172,10 +191,11 @@ class Twin:
         q = LookupQuery(tokens=tokens, data=tokens.tobytes(), identity=IDENT, **kw)
 
         def run(ix):
+            plan = ix.lookup if ix is self.cmp else ix.lookup_reference
             if give_chunks:  # the shared registry's near-cache fill chunks both scopes itself
                 scopes = (q.scope, SHARED_SCOPE) if q.scope != SHARED_SCOPE else (q.scope,)
-                return ix.lookup(q, ix.chunk(tokens, IDENT, scopes))
-            return ix.lookup(q)
+                return plan(q, ix.chunk(tokens, IDENT, scopes))
+            return plan(q)
 
         want, got = self.both(run)
         assert got.table.dtype == np.uint64 and np.array_equal(got.table, want.table), (q, want.segments, got.segments)
@@ -244,6 +264,8 @@ def random_query(rng: np.random.Generator, n: int) -> dict:
     dict(min_hit_tokens=0),
     dict(min_hit_tokens=40, extend_hits=False),
     dict(capacity_entries=60, scope_share=0.6),  # evictions all along
+    dict(seed_interval=2),  # seeds everywhere
+    dict(seed_interval=0),
 ])
 def test_compiled_plans_equal_the_reference(seed, config):
     rng = np.random.default_rng(seed)

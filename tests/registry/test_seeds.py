@@ -1,0 +1,189 @@
+"""Seed hits (issue 14, item 3): text moved without a chunk cut of its own is found through
+16-token seed windows, extended to its edges, served from the right stored rows, and never
+across a scope or an identity. The compiled planner and the reference agree on all of it
+(``test_compiled_lookup.py`` runs them side by side with seeds on)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sidecar.client import SidecarClient
+from sidecar.identity import CacheIdentity
+from sidecar.registry.chunker import ChunkerConfig
+from sidecar.registry.index import ChunkIndex, LookupQuery
+from sidecar.registry.plan import AdmissionPolicy, Fidelity
+from sidecar.registry.registry import EntryState, InMemoryRegistry, RegistryConfig
+from sidecar.registry.seeds import SEED_TOKENS, interval_bits
+from sidecar.server import create_server
+from sidecar.tiers import StoreConfig
+from sidecar.tiers.codec import decode_payload
+from tests.conftest import ANCHORS, make_config, message, text
+from tests.registry.test_compiled_lookup import check_seed_map
+from tests.registry.test_hit_extension import IDENT as KV_IDENT
+from tests.registry.test_hit_extension import LAYOUT, SPEC, check_against_prefill, served, store_prefilled
+
+#: long chunks: a 200-token document rarely holds a cut of its own
+CHUNKER = ChunkerConfig(mask_bits=10, min_size=32, max_size=512, anchor_tokens=ANCHORS)
+IDENT = CacheIdentity(model_id="seeds")
+
+
+def index(**config) -> ChunkIndex:
+    return ChunkIndex(CHUNKER, InMemoryRegistry(RegistryConfig(**config)))
+
+
+def reordered(rng: np.random.Generator, sizes=(200, 180, 220, 160)) -> tuple[np.ndarray, np.ndarray, list]:
+    """A stored prompt (header + documents inside one message) and the same documents in
+    another order after a header long enough that every stored chunk they sit in can be named
+    (a Fetch item names a chunk by the prompt position of its first row); the documents."""
+    docs = [text(rng, n) for n in sizes]
+    first = np.concatenate([message(rng, 40), *docs]).astype(np.uint32)
+    order = [2, 0, 3, 1]
+    second = np.concatenate([message(rng, 600), *[docs[i] for i in order], message(rng, 30, ANCHORS[1])])
+    return first, second.astype(np.uint32), [docs[i] for i in order]
+
+
+def lookup(ix: ChunkIndex, tokens: np.ndarray, identity: CacheIdentity = IDENT, scope: str = "a", reference=False,
+           **kw):
+    q = LookupQuery(tokens=tokens, data=tokens.tobytes(), identity=identity, scope=scope, **kw)
+    return (ix.lookup_reference if reference else ix.lookup)(q)
+
+
+def assert_rows_are_stored_tokens(ix: ChunkIndex, tokens: np.ndarray, plan) -> None:
+    """Every hit row serves prompt tokens equal to the stored tokens at its row."""
+    for h in plan.hits():
+        e = ix.registry.peek(h.chunk_hash)
+        stored = np.frombuffer(e.tokens, dtype="<u4")
+        assert np.array_equal(tokens[h.start : h.end], stored[h.chunk_offset : h.chunk_offset + len(h)]), h
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_moved_documents_without_cuts_are_found_by_seeds(rng, reference):
+    first, second, docs = reordered(rng)
+    on, off = index(), index(seed_interval=0)
+    for ix in (on, off):
+        ix.register(first, first.tobytes(), IDENT, "a", state=EntryState.RESIDENT)
+    with_seeds = lookup(on, second, reference=reference, recompute_tokens=0)
+    without = lookup(off, second, reference=reference, recompute_tokens=0)
+    with_seeds.check_tiling(len(second))
+    assert_rows_are_stored_tokens(on, second, with_seeds)
+    assert all(h.fidelity is Fidelity.APPROXIMATE for h in with_seeds.hits())
+    # the documents start after a 601-token header; without seeds little of them is found
+    body = sum(len(d) for d in docs)
+    assert without.summary.shifted_tokens < 0.5 * body
+    # with seeds each document is recovered up to its edges (a document can extend one or two
+    # tokens into its neighbour when their tokens happen to agree)
+    assert with_seeds.summary.shifted_tokens >= 0.97 * body, (with_seeds.summary, without.summary)
+    starts = {601 + sum(len(d) for d in docs[:i]) for i in range(len(docs))}
+    assert starts & {a for a, _ in with_seeds.hit_segments().tolist()}
+
+
+def test_seeds_stay_in_their_scope_and_identity(rng):
+    first, second, _ = reordered(rng)
+    ix = index()
+    ix.register(first, first.tobytes(), IDENT, "a", state=EntryState.RESIDENT)
+    assert lookup(ix, second, recompute_tokens=0).summary.shifted_tokens > 0
+    # another tenant: nothing
+    assert lookup(ix, second, scope="b", recompute_tokens=0).summary.shifted_tokens == 0
+    # another model in the same tenant (the same text, other KV): nothing, by either planner
+    other = CacheIdentity(model_id="another-model")
+    for reference in (False, True):
+        assert lookup(ix, second, identity=other, reference=reference, recompute_tokens=0).summary.shifted_tokens == 0
+    # the other model's own copy is served to it, and its chunks own the windows now
+    ix.register(first, first.tobytes(), other, "a", state=EntryState.RESIDENT)
+    assert lookup(ix, second, identity=other, recompute_tokens=0).summary.shifted_tokens > 0
+
+
+def test_observed_chunks_are_seeded_for_dry_runs_only(rng):
+    first, second, _ = reordered(rng)
+    ix = index()
+    ix.register(first, first.tobytes(), IDENT, "a")  # OBSERVED: no KV stored
+    assert lookup(ix, second, recompute_tokens=0).summary.shifted_tokens == 0
+    assert lookup(ix, second, recompute_tokens=0, dry_run=True).summary.shifted_tokens > 0
+
+
+def test_exact_policy_and_seed_interval_zero_use_no_seeds(rng):
+    first, second, _ = reordered(rng)
+    ix = index()
+    ix.register(first, first.tobytes(), IDENT, "a", state=EntryState.RESIDENT)
+    assert lookup(ix, second, policy=AdmissionPolicy.EXACT).summary.shifted_tokens == 0
+    assert index(seed_interval=0).registry.table.ctr[5] == 0
+
+
+def test_deleting_a_chunk_forgets_the_windows_it_owns(rng):
+    first, second, _ = reordered(rng)
+    ix = index()
+    ix.register(first, first.tobytes(), IDENT, "a", state=EntryState.RESIDENT)
+    table = ix.registry.table
+    table.sync()
+    assert table.ctr[5] > 0
+    check_seed_map(table)
+    # a second copy of the same text (another model) takes the windows over; deleting the first
+    # copy's chunks keeps them, deleting the second's empties the map
+    other = CacheIdentity(model_id="another-model")
+    res = ix.register(first, first.tobytes(), other, "a", state=EntryState.RESIDENT)
+    for key in list(ix.registry.keys_lru()):
+        if key not in res.keys:
+            ix.registry.delete(key)
+    table.sync()
+    check_seed_map(table)
+    assert table.ctr[5] > 0
+    assert lookup(ix, second, identity=other, recompute_tokens=0).summary.shifted_tokens > 0
+    for key in res.keys:
+        ix.registry.delete(key)
+    table.sync()
+    assert table.ctr[5] == 0 and (table.sd_val < 0).all()
+
+
+def test_seed_interval_is_validated():
+    assert interval_bits(16) == 4 and interval_bits(1) == 0 and interval_bits(0) == -1
+    for bad in (3, -16, 24):
+        with pytest.raises(ValueError, match="registry.seed_interval"):
+            RegistryConfig(seed_interval=bad)
+
+
+def test_short_matches_fold_into_the_prefill(rng):
+    """A window's worth of moved text (16 tokens) is found, but repair leaves it shorter than
+    min_hit_tokens: folded, so a seed never produces a Fetch item below the minimum."""
+    doc = text(rng, 400)
+    ix = index()
+    first = np.concatenate([message(rng, 40), doc]).astype(np.uint32)
+    ix.register(first, first.tobytes(), IDENT, "a", state=EntryState.RESIDENT)
+    second = np.concatenate([message(rng, 100), text(rng, 50), doc[100 : 100 + SEED_TOKENS + 2], text(rng, 50)])
+    second = second.astype(np.uint32)
+    dry = lookup(ix, second, recompute_tokens=0, dry_run=True)
+    assert all(len(h) >= 16 for h in dry.hits())
+    k4 = lookup(ix, second, recompute_tokens=4, dry_run=True)
+    assert all(len(h) >= 16 for h in k4.hits())
+    assert k4.summary.shifted_tokens <= dry.summary.shifted_tokens
+
+
+@pytest.fixture
+async def seeded_target():
+    server, port = await create_server(make_config(chunker=CHUNKER, store=StoreConfig(cpu_bytes=64 << 20)))
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0.1)
+
+
+async def test_seed_hits_serve_the_stored_rows_over_grpc(rng, seeded_target):
+    """Over a real sidecar: every row a seed hit serves is the stored prefill's row of the same
+    token, rotated by the hit's delta (``check_against_prefill``), with and without repair."""
+    first, second, docs = reordered(rng)
+    async with SidecarClient(seeded_target, tenant="t") as c:
+        stored = await store_prefilled(c, first)
+        for k in (0, 4):
+            plan = await c.lookup(second, identity=KV_IDENT, engine_prefix_len=601, recompute_tokens=k)
+            plan.check_tiling(len(second))
+            assert plan.summary.shifted_tokens >= 0.9 * sum(len(d) for d in docs), plan.summary
+            assert any(h.chunk_offset > 0 for h in plan.hits())  # entered mid-chunk
+            check_against_prefill(second, stored, await served(c, plan))
+            # one span Fetch item per hit segment serves the segment's tokens, in order
+            segs = plan.hit_segments().tolist()
+            spans = await c.fetch(plan.fetch_spans(), identity=KV_IDENT, layout=LAYOUT, rope=SPEC)
+            assert [kv.num_tokens for kv in spans] == [b - a for a, b in segs] and all(kv.ok for kv in spans)
+            for (a, b), kv in zip(segs, spans):
+                view = decode_payload(bytearray(kv.data), LAYOUT, kv.num_tokens)
+                for layer in range(LAYOUT.num_layers):
+                    assert np.array_equal(view.part(layer, "v")[:, 0, 0].numpy(), second[a:b].astype(np.float32))
