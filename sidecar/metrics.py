@@ -16,6 +16,8 @@ kv_sidecar_lookup_tokens_total{kind,dry_run}    prompt tokens by kind: prefix | 
 kv_sidecar_lookup_seconds                       server-side Lookup latency (histogram)
 kv_sidecar_lookup_hit_segment_tokens            tokens per planned hit segment (histogram;
                                                 coalesced, extended chunk hits)
+kv_sidecar_lookup_seed_tokens_total{dry_run}    of the shifted tokens, those found through
+                                                seed windows (registry.seed_interval)
 kv_sidecar_store_chunks_total{outcome}          chunks registered | refreshed | stored
 kv_sidecar_store_bytes_total, _seconds          KV payload bytes stored; Store latency
 kv_sidecar_fetch_bytes_total, _seconds          KV payload bytes streamed; Fetch latency
@@ -29,6 +31,7 @@ kv_sidecar_tier_losses{reason}                  chunks found missing or corrupt
 kv_sidecar_checksum_failures_total              payloads failing their checksum on read
 kv_sidecar_rotation_bytes / _seconds            key bytes rotated on Fetch and time spent
 kv_sidecar_registry_entries / _bytes            registry size (gauges)
+kv_sidecar_registry_seeds                       seed windows indexed (gauge; ~32 bytes each)
 kv_sidecar_registry_evictions_total{reason}     evictions (capacity_entries | capacity_bytes |
                                                 deleted)
 kv_sidecar_registry_verify_failures_total       fingerprint hits whose tokens did not match
@@ -93,6 +96,7 @@ class _RegistryCollector:
         reg = self._registry
         yield GaugeMetricFamily("kv_sidecar_registry_entries", "Chunk entries in the registry", value=len(reg))
         yield GaugeMetricFamily("kv_sidecar_registry_bytes", "Bytes held by registry entries", value=reg.nbytes)
+        yield GaugeMetricFamily("kv_sidecar_registry_seeds", "Seed windows indexed", value=reg.seed_windows())
         yield CounterMetricFamily(
             "kv_sidecar_registry_verify_failures", "Fingerprint hits whose tokens did not match",
             value=reg.stats.verify_failures,
@@ -226,6 +230,9 @@ class Metrics:
         self.lookups = Counter("kv_sidecar_lookups", "Lookups served", ["policy", "dry_run"], registry=r)
         self.lookup_tokens = Counter(
             "kv_sidecar_lookup_tokens", "Prompt tokens by how a Lookup plans them", ["kind", "dry_run"], registry=r
+        )
+        self.lookup_seed_tokens = Counter(
+            "kv_sidecar_lookup_seed_tokens", "Shifted tokens found through seed windows", ["dry_run"], registry=r
         )
         self.lookup_seconds = Histogram(
             "kv_sidecar_lookup_seconds", "Server-side Lookup latency", buckets=_LATENCY_BUCKETS, registry=r

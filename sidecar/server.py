@@ -403,7 +403,7 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
         chunks = await shared.fill(self.index, query) if shared is not None else None
         plan = self.index.lookup(query, chunks)
         msg = plan_to_wire(plan)
-        self._count_lookup(query, plan.summary)
+        self._count_lookup(query, plan.summary, plan.seed_tokens)
         m = self.metrics
         m.lookup_hit_segment_tokens.observe_many(plan.hit_segment_tokens)
         m.lookup_seconds.observe(time.perf_counter() - t0)
@@ -451,7 +451,7 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
             dry_run=request.dry_run,
         )
 
-    def _count_lookup(self, query: LookupQuery, s: Any) -> None:
+    def _count_lookup(self, query: LookupQuery, s: Any, seed_tokens: int = 0) -> None:
         key = (query.policy, query.dry_run)
         counters = self._lookup_counters.get(key)
         if counters is None:
@@ -460,9 +460,10 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
             counters = (
                 m.lookups.labels(query.policy.value, dry),
                 *(m.lookup_tokens.labels(kind, dry) for kind in ("prefix", "exact", "shifted", "prefill")),
+                m.lookup_seed_tokens.labels(dry),
             )
             self._lookup_counters[key] = counters
-        lookups, prefix, exact, shifted, prefill = counters
+        lookups, prefix, exact, shifted, prefill, seeded = counters
         lookups.inc()
         # each inc takes a lock: adding 0 changes nothing (the children exist since .labels())
         if s.prefix_tokens:
@@ -473,6 +474,8 @@ class KVSidecarServicer(pb_grpc.KVSidecarServicer):
             shifted.inc(s.shifted_tokens)
         if s.prefill_tokens:
             prefill.inc(s.prefill_tokens)
+        if seed_tokens:
+            seeded.inc(seed_tokens)
         tenant = query.scope  # a Lookup's scope is its tenant
         mine = self.tenant_totals.get(tenant)
         if mine is None:

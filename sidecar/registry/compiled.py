@@ -51,8 +51,8 @@ from sidecar.registry.table import (
 )
 
 #: header words of the kernel's output
-H_STATUS, H_ROWS, H_SEGS, H_TOUCH, H_BOUNDS, H_CHUNKS, H_HITS, H_EXACT, H_SHIFTED, H_VFAIL = range(10)
-HEADER = 10
+H_STATUS, H_ROWS, H_SEGS, H_TOUCH, H_BOUNDS, H_CHUNKS, H_HITS, H_EXACT, H_SHIFTED, H_VFAIL, H_SEEDED = range(11)
+HEADER = 11
 PLANNED, FALLBACK = 0, 1
 
 _U = np.uint64
@@ -505,6 +505,10 @@ def plan_chunks(tok, bounds, fps, prefix, epl, own_sid, shared_sid, exact_only, 
             sgrp = np.arange(ns + 1, dtype=np.int64)
             F2, nf2, parts2, nparts2, _, _ = _shape(S, sgrp, ns, sedge, slo, shi, tok, n, k, repair_chunks, min_hit,
                                                     ext_left, ext_right, serve_observed, ht_key, ht_slot, su, si, arena)
+            seeded = 0
+            for i in range(nf2):
+                seeded += F2[i, _E] - F2[i, _S]
+            header[H_SEEDED] = seeded
             F, nf, parts, nparts = _merge(F, nf, parts, nparts, F2, nf2, parts2, nparts2)
 
     # ---- emission: rows tiling [0, n), segment lengths, keys to touch

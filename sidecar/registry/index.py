@@ -171,7 +171,7 @@ class ChunkIndex:
             extend_left=extend and not exact_only, extend_right=extend, serve_observed=q.dry_run,
             chunks=chunks, chunker=self.chunker, seeds=seeds, chain_seed=q.identity.salt,
         )
-        status, nrows, nseg, ntouch, _nb, total, hits, exact, shifted, vfail = out[: compiled.HEADER].tolist()
+        status, nrows, nseg, ntouch, _nb, total, hits, exact, shifted, vfail, seeded = out[: compiled.HEADER].tolist()
         if status != compiled.PLANNED:
             return None
         r = compiled.HEADER + 7 * nrows
@@ -185,7 +185,8 @@ class ChunkIndex:
         summary = LookupSummary(total_tokens=n, prefix_tokens=epl, exact_tokens=exact, shifted_tokens=shifted,
                                 prefill_tokens=n - epl - exact - shifted, chunks_total=total, chunks_hit=hits)
         return LookupPlan(table=out[compiled.HEADER : r].reshape(nrows, 7), summary=summary, dry_run=q.dry_run,
-                          chunk_bounds=out[b:].astype(np.uint32), hit_segment_tokens=out[r:t].tolist())
+                          chunk_bounds=out[b:].astype(np.uint32), hit_segment_tokens=out[r:t].tolist(),
+                          seed_tokens=seeded)
 
     def lookup_reference(self, q: LookupQuery, chunks: Chunks | None = None) -> LookupPlan:
         """``lookup`` by the reference planner (Python, per chunk): the specification of the
@@ -270,6 +271,7 @@ class ChunkIndex:
             min_hit_tokens=cfg.min_hit_tokens,
         )
         extents: list[tuple[int, int]] = []
+        seed_tokens = 0
         runs = shape_runs(groups, q.tokens, epl, n, reg.peek, extents=extents, **shaping)
         table = reg.table
         if table is not None and table.seed_bits >= 0 and not exact_only and not window:
@@ -282,8 +284,9 @@ class ChunkIndex:
             find = self._seed_finder(q, scopes, table)
             sgroups, edges, limits = seed_pieces(gaps, q.tokens, find, table.seed_bits)
             if sgroups:
-                runs += shape_runs(sgroups, q.tokens, epl, n, reg.peek, edges=edges, limits=limits, **shaping)
-                runs.sort(key=lambda run: run[0][0])
+                seeded = shape_runs(sgroups, q.tokens, epl, n, reg.peek, edges=edges, limits=limits, **shaping)
+                seed_tokens = sum(e - s for run in seeded for s, e, *_ in run)
+                runs = sorted(runs + seeded, key=lambda run: run[0][0])
         pos = epl
         exact_tokens = shifted_tokens = hits = 0
         seg_tokens: list[int] = []
@@ -313,7 +316,7 @@ class ChunkIndex:
         summary.prefill_tokens = n - epl - exact_tokens - shifted_tokens
         return LookupPlan.from_flat(
             rows, summary=summary, dry_run=q.dry_run, chunk_bounds=bounds[c0:].astype(np.uint32),
-            hit_segment_tokens=seg_tokens,
+            hit_segment_tokens=seg_tokens, seed_tokens=seed_tokens,
         )
 
     def _seed_finder(self, q: LookupQuery, scopes: tuple[str, ...],

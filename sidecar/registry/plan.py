@@ -116,6 +116,8 @@ class LookupPlan:
     chunk_bounds: np.ndarray = field(default_factory=lambda: _EMPTY_BOUNDS)
     #: Server side only (not on the wire): the length of every hit segment the planner built.
     hit_segment_tokens: list[int] = field(default_factory=list)
+    #: Server side only: of the shifted tokens, those found through seeds (``registry.seeds``).
+    seed_tokens: int = 0
 
     @classmethod
     def from_flat(cls, flat: list[int], **kwargs) -> "LookupPlan":

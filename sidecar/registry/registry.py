@@ -194,6 +194,13 @@ class InMemoryRegistry:
     def nbytes(self) -> int:
         return self._bytes
 
+    def seed_windows(self) -> int:
+        """Seed windows in the mirror's seed map (0 without the mirror)."""
+        if self.table is None:
+            return 0
+        self.table.sync()
+        return int(self.table.ctr[5])
+
     def scope_entries(self, scope: str) -> int:
         """Number of entries stored under ``scope`` (lets Lookup skip searching empty scopes)."""
         return self._scope_entries.get(scope, 0)

@@ -201,6 +201,7 @@ class Twin:
         assert got.table.dtype == np.uint64 and np.array_equal(got.table, want.table), (q, want.segments, got.segments)
         assert got.summary == want.summary, q
         assert got.hit_segment_tokens == want.hit_segment_tokens, q
+        assert got.seed_tokens == want.seed_tokens <= got.summary.shifted_tokens, q
         assert got.dry_run == want.dry_run
         assert np.array_equal(got.chunk_bounds, want.chunk_bounds) and got.chunk_bounds.dtype == want.chunk_bounds.dtype
         got.check_tiling(len(tokens))

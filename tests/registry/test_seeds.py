@@ -159,19 +159,25 @@ def test_short_matches_fold_into_the_prefill(rng):
 
 
 @pytest.fixture
-async def seeded_target():
+async def seeded_server():
     server, port = await create_server(make_config(chunker=CHUNKER, store=StoreConfig(cpu_bytes=64 << 20)))
     try:
-        yield f"127.0.0.1:{port}"
+        yield server, f"127.0.0.1:{port}"
     finally:
         await server.stop(0.1)
 
 
-async def test_seed_hits_serve_the_stored_rows_over_grpc(rng, seeded_target):
+async def test_seed_hits_serve_the_stored_rows_over_grpc(rng, seeded_server):
     """Over a real sidecar: every row a seed hit serves is the stored prefill's row of the same
-    token, rotated by the hit's delta (``check_against_prefill``), with and without repair."""
+    token, rotated by the hit's delta (``check_against_prefill``), with and without repair; the
+    seed metrics count it."""
+    server, target = seeded_server
     first, second, docs = reordered(rng)
-    async with SidecarClient(seeded_target, tenant="t") as c:
+
+    def metric(name: str, labels: dict | None = None) -> float:
+        return server.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+    async with SidecarClient(target, tenant="t") as c:
         stored = await store_prefilled(c, first)
         for k in (0, 4):
             plan = await c.lookup(second, identity=KV_IDENT, engine_prefix_len=601, recompute_tokens=k)
@@ -187,3 +193,7 @@ async def test_seed_hits_serve_the_stored_rows_over_grpc(rng, seeded_target):
                 view = decode_payload(bytearray(kv.data), LAYOUT, kv.num_tokens)
                 for layer in range(LAYOUT.num_layers):
                     assert np.array_equal(view.part(layer, "v")[:, 0, 0].numpy(), second[a:b].astype(np.float32))
+        assert metric("kv_sidecar_registry_seeds") == server.servicer.index.registry.seed_windows() > 0
+        seeded = metric("kv_sidecar_lookup_seed_tokens_total", {"dry_run": "false"})
+        shifted = metric("kv_sidecar_lookup_tokens_total", {"kind": "shifted", "dry_run": "false"})
+        assert 0.5 * shifted < seeded <= shifted
