@@ -267,7 +267,7 @@ class SidecarArm:
     nothing is evicted; evictions and verification failures are reported regardless.
     """
 
-    def __init__(self, anchor_tokens: Sequence[int], *, mask_position: str = "high") -> None:
+    def __init__(self, anchor_tokens: Sequence[int], *, mask_position: str = "high", **registry) -> None:
         from sidecar.config import SidecarConfig
         from sidecar.registry.chunker import ChunkerConfig
         from sidecar.registry.registry import RegistryConfig
@@ -278,7 +278,7 @@ class SidecarArm:
             metrics_port=-1,
             log_level="WARNING",
             chunker=self.chunker,
-            registry=RegistryConfig(capacity_entries=50_000_000, capacity_bytes=1 << 40),
+            registry=RegistryConfig(capacity_entries=50_000_000, capacity_bytes=1 << 40, **registry),
         )
 
     def mean_chunk_tokens(self, requests: Sequence[np.ndarray]) -> float:
@@ -626,6 +626,12 @@ def baseline(path: Path) -> dict | None:
     }
 
 
+def seed_settings(args: argparse.Namespace) -> dict:
+    """The registry's seed settings the command line overrides."""
+    out = {"seed_interval": args.seed_interval, "seed_min_tokens": args.seed_min_tokens}
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 24 requests, headers 50/1000, 8 + 3 trajectories")
@@ -640,6 +646,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-synthetic", action="store_true", help="only the traces")
     p.add_argument("--mask-compare", action="store_true", help="also run the sidecar with mask_position=low")
     p.add_argument("--traces-dir", type=Path, default=None, help="folder with the *.jsonl.gz traces")
+    p.add_argument("--seed-interval", type=int, default=None, help="registry.seed_interval (0: no seeds)")
+    p.add_argument("--seed-min-tokens", type=int, default=None, help="registry.seed_min_tokens")
     p.add_argument("--out", type=Path, default=RESULTS_PATH, help="where to write the JSON results")
     args = p.parse_args(argv)
     if args.requests is None:
@@ -656,7 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_build = time.perf_counter() - t0
     bench = Bench(
         template=template,
-        sidecar=SidecarArm(template.anchor_token_ids, mask_position="high"),
+        sidecar=SidecarArm(template.anchor_token_ids, mask_position="high", **seed_settings(args)),
         sidecar_low=SidecarArm(template.anchor_token_ids, mask_position="low") if args.mask_compare else None,
     )
     results = []
@@ -679,10 +687,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     before = baseline(args.out)
-    if before:
-        print("\nbefore (" + before["label"] + ") -> now: sidecar % of prompt tokens, sidecar / oracle")
+    try:
+        kept = {k: v for k, v in json.loads(args.out.read_text()).items() if k.startswith("before_")}
+    except (OSError, ValueError):
+        kept = {}
+    for key, block in (("before", before), *kept.items()):
+        if not block or not isinstance(block.get("results"), dict):
+            continue
+        print(f"\n{key} ({block.get('label', block.get('note', ''))}) -> now: sidecar % of prompt tokens, sidecar / oracle")
         for r in results:
-            b = before["results"].get(r.workload)
+            b = block["results"].get(r.workload)
             if b:
                 print(f"  {r.workload:32} {b['sidecar_pct']:6.2f}% -> {r.pct('sidecar'):6.2f}%"
                       f" ({r.pct('sidecar') - b['sidecar_pct']:+.2f}pp)  {b['sidecar_over_oracle']:.4f} ->"
@@ -711,6 +725,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "trajectories": {n: _limit_label(trace_limit(n, args.traces, args.quick)) for n in TRACE_NAMES},
             "mask_compare": args.mask_compare,
         },
+        "registry": {"seed_interval": bench.sidecar.config.registry.seed_interval,
+                     "seed_min_tokens": bench.sidecar.config.registry.seed_min_tokens},
         "goal_oracle_fraction": GOAL_ORACLE_FRACTION,
         "goals_met": not failed,
         "failed": failed,
@@ -721,12 +737,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if before:
         doc["before"] = before
-    try:
-        kept = json.loads(args.out.read_text()).get("before_committed_file")
-    except (OSError, ValueError):
-        kept = None
-    if kept:
-        doc["before_committed_file"] = kept
+    doc.update(kept)  # other earlier figures the file keeps (before_committed_file, before_seeds)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -429,8 +429,8 @@ def _merge(F, nf, parts, nparts, G, ng, gparts, ngparts):
 
 @numba.njit(cache=True, nogil=True)
 def plan_chunks(tok, bounds, fps, prefix, epl, own_sid, shared_sid, exact_only, k, repair_chunks, min_hit,
-                ext_left, ext_right, serve_observed, key_seeds, chain_seed, seed_bits, ht_key, ht_slot, su, si, arena,
-                sd_key, sd_val):
+                ext_left, ext_right, serve_observed, key_seeds, chain_seed, seed_bits, seed_min, ht_key, ht_slot, su,
+                si, arena, sd_key, sd_val):
     """The plan of ``tok`` (uint32 [n], ``epl`` < n) chunked as ``bounds`` / ``fps`` (uint64
     [n_seeds, n_chunks]: own scope, then shared) / ``prefix`` under ``key_seeds`` (the scopes'
     seeds) and ``chain_seed`` (the identity's salt); see the module docstring."""
@@ -490,6 +490,7 @@ def plan_chunks(tok, bounds, fps, prefix, epl, own_sid, shared_sid, exact_only, 
     header[H_VFAIL] = vfail
 
     # ---- phase 2: runs (shaping.shape_runs) of the chunk hits, then of seed hits in what they left
+    seed_min = min(max(min_hit, seed_min), n - epl)
     min_hit = min(min_hit, n - epl)
     gedge = np.empty(ng + 1, dtype=np.int64)
     for gi in range(ng):
@@ -503,7 +504,7 @@ def plan_chunks(tok, bounds, fps, prefix, epl, own_sid, shared_sid, exact_only, 
                                             serve_observed, sd_key, sd_val, su, si, arena)
         if ns:
             sgrp = np.arange(ns + 1, dtype=np.int64)
-            F2, nf2, parts2, nparts2, _, _ = _shape(S, sgrp, ns, sedge, slo, shi, tok, n, k, repair_chunks, min_hit,
+            F2, nf2, parts2, nparts2, _, _ = _shape(S, sgrp, ns, sedge, slo, shi, tok, n, k, repair_chunks, seed_min,
                                                     ext_left, ext_right, serve_observed, ht_key, ht_slot, su, si, arena)
             seeded = 0
             for i in range(nf2):
@@ -593,13 +594,13 @@ def plan_chunks(tok, bounds, fps, prefix, epl, own_sid, shared_sid, exact_only, 
 @numba.njit(cache=True, nogil=True)
 def plan_tokens(tok, anchors, marker_flat, marker_offsets, mask, min_size, max_size, seeds, chain_seed, epl, own_sid,
                 shared_sid, exact_only, k, repair_chunks, min_hit, ext_left, ext_right, serve_observed, seed_bits,
-                ht_key, ht_slot, su, si, arena, sd_key, sd_val):
+                seed_min, ht_key, ht_slot, su, si, arena, sd_key, sd_val):
     """``plan_chunks`` of ``tok`` chunked in the same call (``chunker.chunk_tokens``)."""
     bounds = _boundaries(tok, anchors, marker_flat, marker_offsets, mask, min_size, max_size)
     fps, prefix, _ = _digests(tok, bounds, seeds, chain_seed)
     return plan_chunks(tok, bounds, fps, prefix, epl, own_sid, shared_sid, exact_only, k, repair_chunks, min_hit,
-                       ext_left, ext_right, serve_observed, seeds, chain_seed, seed_bits, ht_key, ht_slot, su, si,
-                       arena, sd_key, sd_val)
+                       ext_left, ext_right, serve_observed, seeds, chain_seed, seed_bits, seed_min, ht_key, ht_slot,
+                       su, si, arena, sd_key, sd_val)
 
 
 def plan(
@@ -613,6 +614,7 @@ def plan(
     recompute_tokens: int,
     repair_chunks: bool,
     min_hit_tokens: int,
+    seed_min_tokens: int,
     extend_left: bool,
     extend_right: bool,
     serve_observed: bool,
@@ -636,13 +638,13 @@ def plan(
     if chunks is not None:
         return plan_chunks(tokens, chunks.bounds, chunks.fingerprints, chunks.prefix_digests, engine_prefix_len, own,
                            shared, exact_only, recompute_tokens, repair_chunks, min_hit_tokens, extend_left,
-                           extend_right, serve_observed, seeds, _U(chain_seed), t.seed_bits, t.ht_key, t.ht_slot, t.su,
-                           t.si, t.arena, t.sd_key, t.sd_val)
+                           extend_right, serve_observed, seeds, _U(chain_seed), t.seed_bits, seed_min_tokens, t.ht_key,
+                           t.ht_slot, t.su, t.si, t.arena, t.sd_key, t.sd_val)
     c = chunker
     return plan_tokens(tokens, c._anchors, c._marker_flat, c._marker_offsets, _U(c.mask), c.min_size, c.max_size, seeds,
                        _U(chain_seed), engine_prefix_len, own, shared, exact_only, recompute_tokens, repair_chunks,
-                       min_hit_tokens, extend_left, extend_right, serve_observed, t.seed_bits, t.ht_key, t.ht_slot,
-                       t.su, t.si, t.arena, t.sd_key, t.sd_val)
+                       min_hit_tokens, extend_left, extend_right, serve_observed, t.seed_bits, seed_min_tokens,
+                       t.ht_key, t.ht_slot, t.su, t.si, t.arena, t.sd_key, t.sd_val)
 
 
 def warmup(chunker: ChunkerConfig) -> None:
@@ -658,7 +660,7 @@ def warmup(chunker: ChunkerConfig) -> None:
     table.sync()
     seeds = np.array([1, 2], dtype=np.uint64)
     switches = dict(engine_prefix_len=0, exact_only=False, recompute_tokens=0, repair_chunks=True, min_hit_tokens=0,
-                    extend_left=True, extend_right=True, serve_observed=False)
+                    seed_min_tokens=0, extend_left=True, extend_right=True, serve_observed=False)
     plan(table, tokens, "warmup", "shared", chunker=chunker, seeds=seeds, chain_seed=3, **switches)
     chunks = chunk_tokens(tokens, chunker, seeds, 3)
     plan(table, tokens, "warmup", "shared", seeds=seeds, chain_seed=3, chunks=chunks, **switches)

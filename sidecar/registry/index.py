@@ -168,7 +168,8 @@ class ChunkIndex:
             table, q.tokens, scope, SHARED_SCOPE if search_shared else None,
             engine_prefix_len=epl, exact_only=exact_only, recompute_tokens=q.recompute_tokens,
             repair_chunks=q.repair_scope is RepairScope.CHUNK, min_hit_tokens=cfg.min_hit_tokens,
-            extend_left=extend and not exact_only, extend_right=extend, serve_observed=q.dry_run,
+            seed_min_tokens=cfg.seed_min_tokens, extend_left=extend and not exact_only, extend_right=extend,
+            serve_observed=q.dry_run,
             chunks=chunks, chunker=self.chunker, seeds=seeds, chain_seed=q.identity.salt,
         )
         status, nrows, nseg, ntouch, _nb, total, hits, exact, shifted, vfail, seeded = out[: compiled.HEADER].tolist()
@@ -284,6 +285,7 @@ class ChunkIndex:
             find = self._seed_finder(q, scopes, table)
             sgroups, edges, limits = seed_pieces(gaps, q.tokens, find, table.seed_bits)
             if sgroups:
+                shaping["min_hit_tokens"] = max(cfg.min_hit_tokens, cfg.seed_min_tokens)
                 seeded = shape_runs(sgroups, q.tokens, epl, n, reg.peek, edges=edges, limits=limits, **shaping)
                 seed_tokens = sum(e - s for run in seeded for s, e, *_ in run)
                 runs = sorted(runs + seeded, key=lambda run: run[0][0])

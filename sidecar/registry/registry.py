@@ -124,6 +124,10 @@ class RegistryConfig:
     #: is still found and extended (``seeds``). Needs ``compiled_lookup`` (the seed map lives in
     #: the mirror); ~2 bytes a stored token at 16.
     seed_interval: int = 16
+    #: Lookup: a hit segment found through a seed that is shorter than this is folded into the
+    #: prefill (``min_hit_tokens`` applies to chunk hits): seeds are for moved documents, not
+    #: for the short phrases that recur everywhere.
+    seed_min_tokens: int = 64
     #: Lookup: plan in one compiled call over a flat mirror of the registry (``table``,
     #: ``compiled``; ~4 bytes a token and ~130 bytes a chunk more memory, outside
     #: ``capacity_bytes``). False: the Python planner only, no mirror. Plans are identical.
@@ -141,6 +145,8 @@ class RegistryConfig:
         if self.min_hit_tokens < 0:
             raise ValueError("registry.min_hit_tokens must be >= 0")
         interval_bits(self.seed_interval)  # raises on a bad value
+        if self.seed_min_tokens < 0:
+            raise ValueError("registry.seed_min_tokens must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
