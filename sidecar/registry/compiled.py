@@ -330,10 +330,11 @@ def _shape(P, grp, ng, gedge, glo, ghi, tok, n, k, repair_chunks, min_hit, ext_l
 
 
 @numba.njit(cache=True, nogil=True)
-def _seed_hits(tok, epl, n, X, nx, own_sid, shared_sid, key_seeds, chain_seed, bits, serve_observed, sd_key, sd_val,
-               su, si, arena):
-    """Seed hits in the prompt ranges no run reached (``X[:nx]``: the runs' extents, in order),
-    one piece per hit, extended inside its stored chunk (``seeds``; ``index.seed_pieces``).
+def _seed_hits(tok, epl, n, X, nx, own_sid, shared_sid, key_seeds, chain_seed, bits, min_len, serve_observed, sd_key,
+               sd_val, su, si, arena):
+    """Seed hits in the prompt ranges no run reached (``X[:nx]``: the runs' extents, in order)
+    of at least ``min_len`` tokens (a seed run stays inside its range: a shorter one would fold),
+    one piece per hit, extended inside its stored chunk (``seeds``; ``shaping.seed_pieces``).
     Returns the pieces ``S[:ns]``, and per piece its edge and the range [lo, hi) it was found in."""
     S = np.empty((16, 6), dtype=np.int64)
     aux = np.empty((16, 3), dtype=np.int64)  # edge, lo, hi
@@ -341,7 +342,7 @@ def _seed_hits(tok, epl, n, X, nx, own_sid, shared_sid, key_seeds, chain_seed, b
     lo = epl
     for x in range(nx + 1):
         hi = X[x, 0] if x < nx else n
-        if hi - lo >= _SEED_W:
+        if hi - lo >= _SEED_W and hi - lo >= min_len:
             pos, mix = windows(tok, lo, hi, bits)
             covered = lo
             for i in range(pos.shape[0]):
@@ -501,7 +502,7 @@ def plan_chunks(tok, bounds, fps, prefix, epl, own_sid, shared_sid, exact_only, 
                                          ext_right, serve_observed, ht_key, ht_slot, su, si, arena)
     if seed_bits >= 0 and not exact_only:
         S, ns, sedge, slo, shi = _seed_hits(tok, epl, n, X, nx, own_sid, shared_sid, key_seeds, chain_seed, seed_bits,
-                                            serve_observed, sd_key, sd_val, su, si, arena)
+                                            seed_min, serve_observed, sd_key, sd_val, su, si, arena)
         if ns:
             sgrp = np.arange(ns + 1, dtype=np.int64)
             F2, nf2, parts2, nparts2, _, _ = _shape(S, sgrp, ns, sedge, slo, shi, tok, n, k, repair_chunks, seed_min,

@@ -283,9 +283,10 @@ class ChunkIndex:
                 lo = b
             gaps.append((lo, n))
             find = self._seed_finder(q, scopes, table)
-            sgroups, edges, limits = seed_pieces(gaps, q.tokens, find, table.seed_bits)
+            seed_min = min(max(cfg.min_hit_tokens, cfg.seed_min_tokens), n - epl)
+            sgroups, edges, limits = seed_pieces(gaps, q.tokens, find, table.seed_bits, seed_min)
             if sgroups:
-                shaping["min_hit_tokens"] = max(cfg.min_hit_tokens, cfg.seed_min_tokens)
+                shaping["min_hit_tokens"] = seed_min
                 seeded = shape_runs(sgroups, q.tokens, epl, n, reg.peek, edges=edges, limits=limits, **shaping)
                 seed_tokens = sum(e - s for run in seeded for s, e, *_ in run)
                 runs = sorted(runs + seeded, key=lambda run: run[0][0])

@@ -261,8 +261,10 @@ def seed_pieces(
     tokens: np.ndarray,
     find: Callable[[int, int], tuple[ChunkEntry, int] | None],
     bits: int,
+    min_len: int = 0,
 ) -> tuple[list[list[list]], list[int], list[tuple[int, int]]]:
-    """Seed hits in the prompt ranges ``gaps`` (``seeds``): scanning each range from the left,
+    """Seed hits in the prompt ranges ``gaps`` (``seeds``) of at least ``min_len`` tokens (a
+    seed run stays inside its range, so a shorter one would fold): scanning each from the left,
     a seed window not yet covered whose stored copy ``find(p, mix)`` accepts (the entry and the
     window's row, or None) becomes one piece, extended token by token inside that chunk within
     the range. Returns one group per piece, and per group its edge and range (``shape_runs``'
@@ -272,7 +274,7 @@ def seed_pieces(
     limits: list[tuple[int, int]] = []
     w = SEED_TOKENS
     for lo, hi in gaps:
-        if hi - lo < w:
+        if hi - lo < max(w, min_len):
             continue
         pos, mix = windows(tokens, lo, hi, bits)
         covered = lo

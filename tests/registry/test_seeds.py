@@ -14,7 +14,8 @@ from sidecar.registry.chunker import ChunkerConfig
 from sidecar.registry.index import ChunkIndex, LookupQuery
 from sidecar.registry.plan import AdmissionPolicy, Fidelity
 from sidecar.registry.registry import EntryState, InMemoryRegistry, RegistryConfig
-from sidecar.registry.seeds import SEED_TOKENS, interval_bits
+from sidecar.registry.seeds import interval_bits, unpack
+from sidecar.registry.table import I_NTOK, I_POS
 from sidecar.server import create_server
 from sidecar.tiers import StoreConfig
 from sidecar.tiers.codec import decode_payload
@@ -148,9 +149,16 @@ def test_short_seed_hits_fold_into_the_prefill(rng):
     produces a Fetch item below min_hit_tokens."""
     doc = text(rng, 400)
     first = np.concatenate([message(rng, 40), doc]).astype(np.uint32)
-    moved = doc[100:140]
+    probe = index()
+    probe.register(first, first.tobytes(), IDENT, "a", state=EntryState.RESIDENT)
+    table = probe.registry.table
+    table.sync()
+    # 40 tokens around a seed window (12 before it, inside its stored chunk), and 18 around another
+    seeds = [unpack(int(v)) for v in table.sd_val[table.sd_val >= 0]]
+    at = sorted(int(table.si[s, I_POS]) + r for s, r in seeds if 12 <= r <= table.si[s, I_NTOK] - 28)
+    moved = first[at[0] - 12 : at[0] + 28]
+    short = np.concatenate([message(rng, 300), text(rng, 50), first[at[-1] - 1 : at[-1] + 17], text(rng, 50)])
     second = np.concatenate([message(rng, 300), text(rng, 50), moved, text(rng, 50)]).astype(np.uint32)
-    short = np.concatenate([message(rng, 300), text(rng, 50), doc[200 : 200 + SEED_TOKENS + 2], text(rng, 50)])
     default, low = index(), index(seed_min_tokens=16)
     for ix in (default, low):
         ix.register(first, first.tobytes(), IDENT, "a", state=EntryState.RESIDENT)
