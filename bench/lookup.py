@@ -51,13 +51,20 @@ def breakdown(sizes: list[int], reps: int) -> dict:
     servicer, no gRPC): request decoding, the Lookup (chunking + fingerprints + planning: one
     compiled call), the plan message, its encoding, the metrics. For context, not part of a
     Lookup: chunking + fingerprints alone (``chunk``) and the reference planner's Lookup
-    (``reference``, Python per chunk). Minimum and median microseconds over ``reps`` after
+    (``reference``, Python per chunk), and what seeds cost where nothing hits: the Lookup of a
+    prompt of new text (``miss``: chunk hits fail, then the whole prompt is scanned for seed
+    windows and each is probed), the same with ``seed_interval: 0`` (``miss_no_seeds``), and the
+    window scan alone (``seed_windows``). Minimum and median microseconds over ``reps`` after
     warm-up, the phases interleaved."""
     from sidecar.config import load_config
+    from sidecar.registry.index import ChunkIndex
+    from sidecar.registry.registry import InMemoryRegistry, RegistryConfig
+    from sidecar.registry.seeds import windows
     from sidecar.server import ServerThread
     from sidecar.wire import plan_to_wire
 
-    phases = ("decode", "lookup", "to_wire", "serialize", "metrics", "chunk", "reference")
+    phases = ("decode", "lookup", "to_wire", "serialize", "metrics", "chunk", "reference", "miss", "miss_no_seeds",
+              "seed_windows")
     cfg = load_config(None, env={}, overrides={"port": 0, "metrics_port": -1, "chunker.anchor_tokens": list(ANCHORS)})
     rng = np.random.default_rng(0)
     ident = CacheIdentity(model_id="bench")
@@ -73,6 +80,12 @@ def breakdown(sizes: list[int], reps: int) -> dict:
             client.store(old, identity=ident)
             req = pb.LookupRequest(tokens=new.tobytes(), identity=identity_to_wire(ident), dry_run=True,
                                    engine_prefix_len=1)
+            unseeded = ChunkIndex(index.chunker, InMemoryRegistry(RegistryConfig(seed_interval=0)))
+            unseeded.register(old, old.tobytes(), ident, "bench")
+            fresh = conversation(rng, n)
+            miss = sv._lookup_query(pb.LookupRequest(tokens=fresh.tobytes(), identity=identity_to_wire(ident),
+                                                     dry_run=True), "bench")
+            bits = index.registry.table.seed_bits
 
             def once() -> list[float]:
                 t = [clock()]
@@ -90,6 +103,12 @@ def breakdown(sizes: list[int], reps: int) -> dict:
                 index.chunk(q.tokens, q.identity, (q.scope,))
                 t.append(clock())
                 index.lookup_reference(q)
+                t.append(clock())
+                index.lookup(miss)
+                t.append(clock())
+                unseeded.lookup(miss)
+                t.append(clock())
+                windows(fresh, 0, len(fresh), bits)
                 t.append(clock())
                 return np.diff(t).tolist()
 

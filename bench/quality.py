@@ -308,6 +308,40 @@ def plot(agg: Mapping[str, dict], path: Path, title: str, floor: Mapping[str, An
     return path
 
 
+def seed_plans(model: str, questions: int, seed: int) -> int:
+    """Plan the benchmark's prompts with seeds at the registry defaults and with seeds off (no
+    model: warm requests registered as stored, Lookups dry, k = 4); print the prompts whose
+    reuse differs. No difference: the run's figures hold with seeds on or off."""
+    from bench.fidelity import sidecar_config
+    from bench.hf_chat import HFChatTemplate
+    from clients.transformers import load_tokenizer
+    from sidecar.identity import CacheIdentity
+    from sidecar.registry.index import ChunkIndex, LookupQuery
+    from sidecar.registry.registry import EntryState, InMemoryRegistry, RegistryConfig
+
+    template = HFChatTemplate(load_tokenizer(model))
+    chunker = sidecar_config(template).chunker
+    ident = CacheIdentity(model_id=model)
+    differ = total = 0
+    for sc in build_scenarios(template, questions=questions, seed=seed):
+        on, off = (ChunkIndex(chunker, InMemoryRegistry(RegistryConfig(**kw))) for kw in ({}, {"seed_interval": 0}))
+        for ix in (on, off):
+            for w in sc.warm:
+                ix.register(w, w.tobytes(), ident, "t", state=EntryState.RESIDENT)
+        for target in sc.targets:
+            q = LookupQuery(tokens=target, data=target.tobytes(), identity=ident, scope="t", recompute_tokens=4,
+                            dry_run=True)
+            a, b = on.lookup(q), off.lookup(q)
+            total += 1
+            if not np.array_equal(a.table, b.table):
+                differ += 1
+                print(f"{sc.name}: {len(target)} tokens, reuse {a.summary.shifted_tokens + a.summary.exact_tokens} "
+                      f"with seeds ({a.seed_tokens} through seeds), {b.summary.shifted_tokens + b.summary.exact_tokens}"
+                      f" without")
+    print(f"{differ} of {total} prompts plan differently with seeds")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.fidelity --model smollm2", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
@@ -323,6 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="only measure the bf16 full-prefill noise floor on the same prompts and add it to "
                         "an existing results file (and its plot)")
     p.add_argument("--report", action="store_true", help="print an existing results file as markdown and exit")
+    p.add_argument("--seed-plans", action="store_true",
+                   help="no model: plan every prompt (dry run, k = 4) with the registry's seeds at their defaults "
+                        "and off, and list the prompts whose plans differ (does this run measure seed hits?)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
     args = p.parse_args(argv)
@@ -335,6 +372,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.report:
         print(markdown_report(json.loads(out_path.read_text())))
         return 0
+    if args.seed_plans:
+        return seed_plans(args.model, questions, args.seed)
 
     from bench.fidelity import sidecar_config
     from bench.harness import machine
