@@ -57,8 +57,8 @@ class GrowLayer(DynamicLayer):
         self._kbuf, self._vbuf = kb, vb
 
     def _publish(self) -> None:
-        self.keys = self._kbuf[:, :, : self.length]
-        self.values = self._vbuf[:, :, : self.length]
+        self.keys = self._kbuf.narrow(2, 0, self.length)
+        self.values = self._vbuf.narrow(2, 0, self.length)
 
     # -- transformers API -------------------------------------------------------------------------
 
@@ -123,11 +123,17 @@ class GrowLayer(DynamicLayer):
             if like is None:
                 raise ValueError("append_slots on an empty layer needs example tensors (like=)")
             self._allocate(like[0], like[1], n)
+        start = self.grow(n)
+        return self._kbuf[:, :, start : start + n], self._vbuf[:, :, start : start + n]
+
+    def grow(self, n: int) -> int:
+        """Extend an allocated layer by ``n`` positions (to be filled before the next forward
+        pass reads them); returns the first."""
         start = self.length
         self._reserve(start + n)
         self.length = start + n
         self._publish()
-        return self._kbuf[:, :, start : start + n], self._vbuf[:, :, start : start + n]
+        return start
 
 
 class SequenceCache(Cache):
@@ -144,7 +150,9 @@ class SequenceCache(Cache):
         """Append ``n`` positions to every layer (to be filled by the caller); returns the first."""
         start = self.length
         for layer in self.layers:
-            layer.append_slots(n)
+            if layer._kbuf is None:
+                raise ValueError("extend: the layers have no buffers yet (allocate them: KVAdapter.new_cache)")
+            layer.grow(n)
         return start
 
     @property

@@ -468,19 +468,21 @@ class Engine:
         res.prefix_tokens = h
 
         logits = None
+        write = self.adapter.writer(cache)
         for st in steps:
             if st.kind == "hit":
                 f = st.fetched
                 t0 = clock()
-                rotate = reuse.rotation is Rotation.CLIENT and f.delta != 0 and not f.rotated
-                view = self.adapter.decode(bytearray(f.data) if rotate else f.data, f.num_tokens)
-                if rotate:
+                start = cache.extend(st.end - st.start)
+                assert start == st.start, f"cache filled out of order: at {start}, segment starts at {st.start}"
+                if reuse.rotation is Rotation.CLIENT and f.delta != 0 and not f.rotated:
+                    view = self.adapter.decode(bytearray(f.data), f.num_tokens)
                     t1 = clock()
                     self.adapter.rotate_(view, f.delta)
                     tm.rotate_s += clock() - t1
-                start = cache.extend(st.end - st.start)
-                assert start == st.start, f"cache filled out of order: at {start}, segment starts at {st.start}"
-                self.adapter.write(cache, view, st.offset, st.start, st.end)
+                    self.adapter.write(cache, view, st.offset, st.start, st.end)
+                else:
+                    write(f.data, f.num_tokens, st.offset, st.start, st.end)
                 tm.assemble_s += clock() - t0
                 res.fetch_bytes += len(f.data)
                 if st.fidelity is Fidelity.EXACT:

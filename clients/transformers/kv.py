@@ -24,6 +24,7 @@ linear-attention layers). A payload is ``KVLayout`` order, layer-major::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch
 
 from sidecar.identity import KVLayout, KVPart
 from sidecar.rotation import RopeSpec, RotaryLayout, rotate_keys
-from sidecar.tiers.codec import TORCH_DTYPES, KVPayloadView, decode_payload, encode_payload
+from sidecar.tiers.codec import TORCH_DTYPES, KVPayloadView, as_byte_tensor, decode_payload, encode_payload
 
 from clients.transformers.cache import SequenceCache
 
@@ -72,6 +73,11 @@ class KVAdapter:
         self.dtype = dtype
         self.device = device
         self._rotary = tuple(p.rotary for p in layout.parts)
+        # Every part the same shape and dtype, none squeezed (GQA / MHA): a payload is then one
+        # [layers * parts, n, heads, dim] tensor, written with one copy per layer and part.
+        first = layout.parts[0]
+        self._uniform = all(p.shape == first.shape and p.dtype == first.dtype for p in layout.parts) and not any(
+            s.squeeze for s in slots)
 
     def new_cache(self, capacity: int) -> SequenceCache:
         """An empty ``SequenceCache`` for this model with ``capacity`` positions preallocated."""
@@ -186,6 +192,37 @@ class KVAdapter:
         per_layer = len(self.layout.parts)
         for i, pv in enumerate(view.parts):
             self.part_view(cache, pv.layer, i % per_layer, start, end).copy_(pv.tensor[offset : offset + n])
+
+    def writer(self, cache: SequenceCache) -> "Callable[[Any, int, int, int, int], None]":
+        """``write`` for raw payload bytes into ``cache``: ``fn(data, num_tokens, offset, start,
+        end)``. For uniform layouts (GQA / MHA) the payload is viewed as one tensor and each
+        layer's part copied with one call into per-layer destination views made once here (the
+        cache must not regrow while the writer is used: the engine sizes it up front); other
+        layouts decode and ``write``."""
+        if not self._uniform:
+            return lambda data, num_tokens, offset, start, end: self.write(
+                cache, self.decode(data, num_tokens), offset, start, end)
+        dst = []
+        for lay in cache.layers:
+            for s in self.slots:
+                buf = lay._kbuf if s.slot == "keys" else lay._vbuf
+                dst.append(buf[0].transpose(0, 1))  # [capacity, heads, dim]
+        first = cache.layers[0]._kbuf
+        part = self.layout.parts[0]
+        dtype = TORCH_DTYPES[part.dtype]
+        count = len(dst)
+
+        def write(data: Any, num_tokens: int, offset: int, start: int, end: int) -> None:
+            if cache.layers[0]._kbuf is not first:
+                raise RuntimeError("the cache was reallocated after its writer was made")
+            mv = memoryview(data)
+            raw = as_byte_tensor(mv, field="data") if mv.readonly else torch.frombuffer(mv.cast("B"), dtype=torch.uint8)
+            src = raw.view(dtype).view(count, num_tokens, *part.shape)
+            n = end - start
+            for j in range(count):
+                dst[j].narrow(0, start, n).copy_(src[j].narrow(0, offset, n))
+
+        return write
 
     def rotate_(self, view: KVPayloadView, delta: int) -> None:
         """Rotate every rotary part of a writable payload view by ``delta`` in place (what the
