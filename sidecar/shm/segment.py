@@ -129,7 +129,7 @@ class SegmentPool:
     def lease(self, need: int = 0) -> Lease | None:
         """A buffer for one call that expects at least ``need`` payload bytes (0: unknown), or
         None (pool closed, all lent, or /dev/shm unusable)."""
-        size = min(self.max_bytes, max(self._want, bucket(HEADER_BYTES + need))) if need else self._want
+        size = min(self.max_bytes, max(self._want, round_up(HEADER_BYTES + need))) if need else self._want
         drop = None
         with self._lock:
             if self._closed:
@@ -166,7 +166,7 @@ class SegmentPool:
         """Learn from a finished call: if payloads spilled inline, size new buffers for all."""
         if lease.inline:
             with self._lock:
-                self._want = min(self.max_bytes, max(self._want, bucket(lease.used + lease.inline)))
+                self._want = min(self.max_bytes, max(self._want, round_up(lease.used + lease.inline)))
 
     def _give_back(self, seg: Segment) -> None:
         with self._lock:
@@ -198,14 +198,6 @@ class SegmentPool:
 
 def round_up(n: int, to: int = 1 << 20) -> int:
     return -(-n // to) * to
-
-
-def bucket(n: int) -> int:
-    """``n`` bytes rounded up to one of 8 sizes per power of two (at most 12.5% more, at least a
-    MiB step), so calls whose sizes differ a little share a buffer: a new buffer costs its pages
-    again (the sidecar's first write into a tmpfs page allocates and zeroes it)."""
-    step = max(1 << 20, (1 << max(n - 1, 1).bit_length()) >> 3)
-    return round_up(n, step)
 
 
 def _unlink_all(paths: set[str]) -> None:
