@@ -162,28 +162,38 @@ def _compact(si, high, arena, acap):
 
 
 @numba.njit(cache=True, nogil=True)
-def _seed_add(sd_key, sd_val, arena, s, si, bits, ctr):
-    """Map every seed window of slot ``s``'s tokens to it (the last chunk registered with a
-    window owns it); grows the map past load 1/2. Returns the (possibly new) map."""
+def _slot_seeds(arena, s, si, bits):
+    """The seed map entries of slot ``s``'s tokens: keys, and values ``s << ROW_BITS | row``."""
     off = si[s, I_OFF]
     ln = si[s, I_LEN]
     if bits < 0 or ln < SEED_TOKENS:
-        return sd_key, sd_val
+        return np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.int64)
     pos, mix = windows(arena, off, off + ln, bits)
+    m = 0
+    while m < pos.shape[0] and not ((pos[m] - off) >> ROW_BITS):  # rows past the packed width: none
+        m += 1
+    keys = np.empty(m, dtype=np.uint64)
+    vals = np.empty(m, dtype=np.int64)
     scope = si[s, I_SCOPE]
-    for i in range(pos.shape[0]):
-        row = pos[i] - off
-        if row >> ROW_BITS:
-            break
-        key = seed_key(mix[i], scope)
-        val = (s << ROW_BITS) | row
-        j = _probe(sd_key, sd_val, key)
+    for i in range(m):
+        keys[i] = seed_key(mix[i], scope)
+        vals[i] = (s << ROW_BITS) | (pos[i] - off)
+    return keys, vals
+
+
+@numba.njit(cache=True, nogil=True)
+def _seed_add(sd_key, sd_val, arena, s, si, bits, ctr):
+    """Map every seed window of slot ``s``'s tokens to it (the last chunk registered with a
+    window owns it); grows the map past load 1/2. Returns the (possibly new) map."""
+    keys, vals = _slot_seeds(arena, s, si, bits)
+    for i in range(keys.shape[0]):
+        j = _probe(sd_key, sd_val, keys[i])
         if j >= 0:
-            sd_val[j] = val
+            sd_val[j] = vals[i]
             continue
         if 2 * (ctr[5] + 1) > sd_key.shape[0]:
             sd_key, sd_val = _rehash(sd_key, sd_val, 2 * sd_key.shape[0])
-        _ht_insert(sd_key, sd_val, key, val)
+        _ht_insert(sd_key, sd_val, keys[i], vals[i])
         ctr[5] += 1
     return sd_key, sd_val
 
@@ -191,20 +201,11 @@ def _seed_add(sd_key, sd_val, arena, s, si, bits, ctr):
 @numba.njit(cache=True, nogil=True)
 def _seed_remove(sd_key, sd_val, arena, s, si, bits, ctr):
     """Forget the seed windows slot ``s`` (about to be freed) owns."""
-    off = si[s, I_OFF]
-    ln = si[s, I_LEN]
-    if bits < 0 or ln < SEED_TOKENS:
-        return
-    pos, mix = windows(arena, off, off + ln, bits)
-    scope = si[s, I_SCOPE]
-    for i in range(pos.shape[0]):
-        row = pos[i] - off
-        if row >> ROW_BITS:
-            break
-        key = seed_key(mix[i], scope)
-        j = _probe(sd_key, sd_val, key)
-        if j >= 0 and sd_val[j] == (s << ROW_BITS) | row:
-            _ht_delete(sd_key, sd_val, key)
+    keys, vals = _slot_seeds(arena, s, si, bits)
+    for i in range(keys.shape[0]):
+        j = _probe(sd_key, sd_val, keys[i])
+        if j >= 0 and sd_val[j] == vals[i]:
+            _ht_delete(sd_key, sd_val, keys[i])
             ctr[5] -= 1
 
 
