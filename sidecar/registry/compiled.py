@@ -8,6 +8,9 @@ chunk); this module computes the same plan in one numba call, with no Python per
         scope / state filter, verify tokens against the arena, exact check, admission, grouping
     shaping: coalesce, extend into stored neighbours (links), boundary repair (segment start,
         and every stored chunk's first row with repair_chunks), carve-out, folding
+    seeds (``seeds``): in the ranges no run reached, seed windows probed in the seed map,
+        verified (scope, state, tokens, the chunk's key for this identity), extended inside
+        their chunk, then shaped the same way (folding at seed_min); the two passes merged
     emit ENGINE_PREFIX | CHUNK_HIT | PREFILL rows, hit segment lengths, keys to touch
 
 The kernel reads the mirror only: it changes nothing, so a call that cannot decide returns

@@ -13,6 +13,9 @@ Lookup (ARCHITECTURE.md, "The request path")::
     shape (``shaping.shape_runs``): coalesce groups into hit segments, extend each segment
         token by token into its stored neighbours, repair k tokens at every stored chunk's
         start (or once per segment start: ``repair_scope``), carve-out, fold segments shorter than registry.min_hit_tokens into the prefill
+    seeds (``seeds``, ``shaping.seed_pieces``): where no run reached, 16-token seed windows
+        found in the mirror's seed map enter stored chunks mid-way; shaped the same way
+        (folded below registry.seed_min_tokens)
     emit ENGINE_PREFIX | CHUNK_HIT (one row per chunk piece) | PREFILL segments tiling [0, n)
 
 Two planners produce the same plan: ``lookup_reference`` (the steps above in Python, per
