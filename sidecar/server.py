@@ -203,6 +203,10 @@ def _add_servicer(servicer: pb_grpc.KVSidecarServicer, server: grpc.aio.Server) 
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
 
 
+#: how long a stop waits for the rotation kernels' warm-up still running (it takes seconds)
+_WARMUP_JOIN_S = 60.0
+
+
 def _warm_rotation() -> None:
     from sidecar.rotation.batch import warmup as rotation_warmup
 
@@ -1043,6 +1047,7 @@ class SidecarServer:
         self.metrics_port = -1
         self._stopped = False
         self._sweeper: asyncio.Task | None = None
+        self._rotation_warmup: threading.Thread | None = None
         self._claim_sweeper: asyncio.Task | None = None
 
     async def start(self) -> int:
@@ -1083,7 +1088,8 @@ class SidecarServer:
         # The rotation kernels are compiled (or loaded from numba's cache) behind the serving
         # port: Lookups do not need them and a restart should not wait for them, but the first
         # rotated Fetch should not pay them either (it waits for this thread if it comes first).
-        threading.Thread(target=_warm_rotation, name="kv-sidecar-rotation-warmup", daemon=True).start()
+        self._rotation_warmup = threading.Thread(target=_warm_rotation, name="kv-sidecar-rotation-warmup", daemon=True)
+        self._rotation_warmup.start()
         if self.shared_registry is not None:
             await self._start_shared_registry()
         if cfg.metrics_port >= 0:
@@ -1166,6 +1172,11 @@ class SidecarServer:
                 "" if "disk" in {t.value for t in self.dataplane.store.tiers} else ": no disk tier configured")
         await asyncio.to_thread(self.dataplane.close)
         self.metrics.close()
+        warming = self._rotation_warmup
+        if warming is not None and warming.is_alive():
+            # A process that exits while numba's parallel workers run a warm-up kernel aborts
+            # ("terminate called without an active exception"): let the warm-up finish first.
+            await asyncio.to_thread(warming.join, _WARMUP_JOIN_S)
         logger.info("kv-sidecar stopped")
 
     async def wait_for_termination(self) -> None:

@@ -111,7 +111,7 @@ def test_serve_and_graceful_shutdown(sig):
             pb_grpc.KVSidecarStub(ch).Ping(pb.PingRequest(), timeout=10)
         proc.send_signal(sig)
         rest = proc.stderr.read()
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=30) == 0, rest[-4000:]
         assert "draining" in rest and "stopped" in rest
     finally:
         if proc.poll() is None:
