@@ -201,11 +201,9 @@ class InMemoryRegistry:
         return self._bytes
 
     def seed_windows(self) -> int:
-        """Seed windows in the mirror's seed map (0 without the mirror)."""
-        if self.table is None:
-            return 0
-        self.table.sync()
-        return int(self.table.ctr[5])
+        """Seed windows in the mirror's seed map (0 without the mirror), as of its last sync.
+        Safe from any thread (a metrics scrape): it reads one counter and applies nothing."""
+        return 0 if self.table is None else int(self.table.ctr[5])
 
     def scope_entries(self, scope: str) -> int:
         """Number of entries stored under ``scope`` (lets Lookup skip searching empty scopes)."""
