@@ -31,7 +31,7 @@ kv_sidecar_tier_losses{reason}                  chunks found missing or corrupt
 kv_sidecar_checksum_failures_total              payloads failing their checksum on read
 kv_sidecar_rotation_bytes / _seconds            key bytes rotated on Fetch and time spent
 kv_sidecar_registry_entries / _bytes            registry size (gauges)
-kv_sidecar_registry_seeds                       seed windows indexed (gauge; ~32 bytes each)
+kv_sidecar_registry_seeds                       seed windows indexed (gauge; 32-64 bytes each)
 kv_sidecar_registry_evictions_total{reason}     evictions (capacity_entries | capacity_bytes |
                                                 deleted)
 kv_sidecar_registry_verify_failures_total       fingerprint hits whose tokens did not match

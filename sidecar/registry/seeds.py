@@ -25,8 +25,9 @@ find such text anyway::
   model's chunk is never served. The hit is extended token by token inside the chunk, then
   shaped like chunk hits (extension into stored neighbours, repair, carve-out, folding).
 
-Memory: a map cell is 16 bytes at load <= 1/2, so ~32 bytes a seed, ~2 bytes a stored token at
-the default interval of 16, outside ``registry.capacity_bytes``.
+Memory: a map cell is 16 bytes and the map is 1/4 to 1/2 full (it doubles at 1/2), so 32-64
+bytes a seed: 2-4 bytes a stored token at the default interval of 16, outside
+``registry.capacity_bytes`` (``kv_sidecar_registry_seeds`` counts them).
 """
 
 from __future__ import annotations
