@@ -122,8 +122,8 @@ class RegistryConfig:
     #: Lookup: one seed window per this many stored tokens on average (a power of two; 0 turns
     #: seeds off): entry points finer than a chunk, so text moved without a chunk cut of its own
     #: is still found and extended (``seeds``). Needs ``compiled_lookup`` (the seed map lives in
-    #: the mirror); 2-4 bytes a stored token at 16.
-    seed_interval: int = 16
+    #: the mirror); 1-2 bytes a stored token at 32.
+    seed_interval: int = 32
     #: Lookup: a hit segment found through a seed that is shorter than this is folded into the
     #: prefill (``min_hit_tokens`` applies to chunk hits): seeds are for moved documents, not
     #: for the short phrases that recur everywhere.

@@ -26,7 +26,7 @@ find such text anyway::
   shaped like chunk hits (extension into stored neighbours, repair, carve-out, folding).
 
 Memory: a map cell is 16 bytes and the map is 1/4 to 1/2 full (it doubles at 1/2), so 32-64
-bytes a seed: 2-4 bytes a stored token at the default interval of 16, outside
+bytes a seed: 1-2 bytes a stored token at the default interval of 32, outside
 ``registry.capacity_bytes`` (``kv_sidecar_registry_seeds`` counts them).
 """
 

@@ -34,7 +34,7 @@ else are not seen by the compiled planner.
 Memory, outside ``registry.capacity_bytes``: ``4 x tokens`` bytes of arena per entry (a second
 copy of ``ChunkEntry.tokens``), 96 bytes of slot arrays, 32-64 bytes of hash table and 32-64
 bytes per seed (``seeds``: one per ``registry.seed_interval`` tokens); every array grows by
-doubling (100K entries of 128 tokens: 80 MiB, and 25-50 MiB of seeds at interval 16).
+doubling (100K entries of 128 tokens: 80 MiB, and 13-25 MiB of seeds at interval 32).
 
 Thread-safety: owned by the registry (the server's event loop); the kernels release the GIL
 but the arrays must not change while a planner call reads them.
