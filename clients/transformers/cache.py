@@ -11,6 +11,11 @@ writes into it::
                  |<----- length ----->|<-- free -->|
     layer.keys = buffer[:, :, :length]   (a view, what attention reads)
 
+For GQA / MHA models ``KVAdapter.new_cache`` cuts every layer's two buffers from one
+allocation (``SequenceCache.slab``, ``[layers * 2, B, H, capacity, D]``, the order of a fetched
+payload), so a Fetch result is written into the cache with one copy; a layer that outgrows its
+capacity gets buffers of its own.
+
 Cache index == token position (the engine never leaves holes), so transformers' causal mask
 (``q_offset = get_seq_length()``) is right for any ``position_ids`` the engine passes.
 ``layer.keys`` / ``layer.values`` keep transformers' meaning: for GQA models they are K and V
@@ -107,6 +112,14 @@ class GrowLayer(DynamicLayer):
         self._allocate(like_k, like_v, 0)
         self._publish()
 
+    def adopt(self, kbuf: torch.Tensor, vbuf: torch.Tensor) -> None:
+        """Use ``[B, H, capacity, D]`` buffers allocated by the caller (slices of one allocation
+        for every layer: ``KVAdapter.new_cache``) before anything is written."""
+        self._kbuf, self._vbuf = kbuf, vbuf
+        self.dtype, self.device = kbuf.dtype, kbuf.device
+        self.is_initialized = True
+        self._publish()
+
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"truncate: length {length} outside [0, {self.length}]")
@@ -145,6 +158,9 @@ class SequenceCache(Cache):
 
     def __init__(self, num_layers: int, capacity: int = 0) -> None:
         super().__init__(layers=[GrowLayer(capacity) for _ in range(num_layers)])
+        #: every layer's K and V buffers as one ``[layers * 2, B, H, capacity, D]`` tensor when
+        #: ``KVAdapter.new_cache`` allocated them together (uniform layouts), else None
+        self.slab: torch.Tensor | None = None
 
     def extend(self, n: int) -> int:
         """Append ``n`` positions to every layer (to be filled by the caller); returns the first."""

@@ -74,7 +74,7 @@ class KVAdapter:
         self.device = device
         self._rotary = tuple(p.rotary for p in layout.parts)
         # Every part the same shape and dtype, none squeezed (GQA / MHA): a payload is then one
-        # [layers * parts, n, heads, dim] tensor, written with one copy per layer and part.
+        # [layers * parts, n, heads, dim] tensor, written with one copy (``new_cache``, ``writer``).
         first = layout.parts[0]
         self._uniform = all(p.shape == first.shape and p.dtype == first.dtype for p in layout.parts) and not any(
             s.squeeze for s in slots)
@@ -82,6 +82,16 @@ class KVAdapter:
     def new_cache(self, capacity: int) -> SequenceCache:
         """An empty ``SequenceCache`` for this model with ``capacity`` positions preallocated."""
         cache = SequenceCache(self.layout.num_layers, capacity)
+        if self._uniform and [s.slot for s in self.slots] == ["keys", "values"]:
+            # One allocation for every layer's K and V, in payload order (layer-major, then part):
+            # a fetched payload [layers * parts, n, heads, dim] then lands with one copy (``writer``).
+            heads, dim = self.key_shape
+            slab = torch.empty((2 * len(cache.layers), 1, heads, max(capacity, 16), dim), dtype=self.dtype,
+                               device=self.device)
+            for i, layer in enumerate(cache.layers):
+                layer.adopt(slab[2 * i], slab[2 * i + 1])
+            cache.slab = slab
+            return cache
         for layer in cache.layers:
             layer.allocate(self.key_shape, self.value_shape, self.dtype, self.device)
         return cache
@@ -195,10 +205,11 @@ class KVAdapter:
 
     def writer(self, cache: SequenceCache) -> "Callable[[Any, int, int, int, int], None]":
         """``write`` for raw payload bytes into ``cache``: ``fn(data, num_tokens, offset, start,
-        end)``. For uniform layouts (GQA / MHA) the payload is viewed as one tensor and each
-        layer's part copied with one call into per-layer destination views made once here (the
-        cache must not regrow while the writer is used: the engine sizes it up front); other
-        layouts decode and ``write``."""
+        end)``. For uniform layouts (GQA / MHA) the payload is viewed as one tensor and copied
+        with one call into the cache's ``slab`` (every layer's K and V in one allocation, as
+        ``new_cache`` makes them), else with one call per layer and part into destination views
+        made once here (the cache must not regrow while the writer is used: the engine sizes it
+        up front); other layouts decode and ``write``."""
         if not self._uniform:
             return lambda data, num_tokens, offset, start, end: self.write(
                 cache, self.decode(data, num_tokens), offset, start, end)
@@ -211,6 +222,7 @@ class KVAdapter:
         part = self.layout.parts[0]
         dtype = TORCH_DTYPES[part.dtype]
         count = len(dst)
+        slab = cache.slab
 
         def write(data: Any, num_tokens: int, offset: int, start: int, end: int) -> None:
             if cache.layers[0]._kbuf is not first:
@@ -219,6 +231,9 @@ class KVAdapter:
             raw = as_byte_tensor(mv, field="data") if mv.readonly else torch.frombuffer(mv.cast("B"), dtype=torch.uint8)
             src = raw.view(dtype).view(count, num_tokens, *part.shape)
             n = end - start
+            if slab is not None:  # [count, n, H, D] -> [count, 1, H, n, D]
+                slab.narrow(3, start, n).copy_(src.narrow(1, offset, n).unsqueeze(1).transpose(2, 3))
+                return
             for j in range(count):
                 dst[j].narrow(0, start, n).copy_(src[j].narrow(0, offset, n))
 

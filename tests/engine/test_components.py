@@ -126,16 +126,25 @@ def test_adapter_layout_and_payload_round_trip(kind, parts):
     for ls, ld in zip(src.layers, dst.layers):
         assert torch.equal(ld.keys[:, :, 20:25], ls.keys[:, :, 15:20])
         assert torch.equal(ld.values[:, :, 20:25], ls.values[:, :, 15:20])
-    # the engine's writer (one copy per layer and part for GQA; decode + write for MLA) from
-    # read-only bytes and from a writable buffer puts the same rows in the same places
+    # the engine's writer (GQA: one copy into the cache's slab, or one per layer and part into a
+    # cache allocated layer by layer; MLA: decode + write) from read-only bytes and from a
+    # writable buffer puts the same rows in the same places
     assert ad._uniform == (kind == "gqa")
+    assert (ad.new_cache(64).slab is not None) == (kind == "gqa")
+
+    def per_layer_cache():
+        cache = SequenceCache(ad.layout.num_layers, 64)
+        for layer in cache.layers:
+            layer.allocate(ad.key_shape, ad.value_shape, ad.dtype, ad.device)
+        return cache
+
     for data in (payload.numpy().tobytes(), memoryview(bytearray(payload.numpy().tobytes()))):
-        other = ad.new_cache(64)
-        other.extend(25)
-        ad.writer(other)(data, 20, 5, 20, 25)
-        for lo, ld in zip(other.layers, dst.layers):
-            assert torch.equal(lo.keys[:, :, 20:25], ld.keys[:, :, 20:25])
-            assert torch.equal(lo.values[:, :, 20:25], ld.values[:, :, 20:25])
+        for other in (ad.new_cache(64), per_layer_cache()):
+            other.extend(25)
+            ad.writer(other)(data, 20, 5, 20, 25)
+            for lo, ld in zip(other.layers, dst.layers):
+                assert torch.equal(lo.keys[:, :, 20:25], ld.keys[:, :, 20:25])
+                assert torch.equal(lo.values[:, :, 20:25], ld.values[:, :, 20:25])
     if kind == "gqa":  # its destination views were made up front: a reallocated cache is refused
         grown = ad.new_cache(8)
         write = ad.writer(grown)
