@@ -32,12 +32,16 @@ def model_dir() -> str:
 @pytest.fixture(scope="module")
 def sidecar_target() -> Iterator[str]:
     """A real sidecar on loopback (port 0) with SmolLM2's chunker anchor ``<|im_start|>`` (id 1),
-    served from the main environment (``bench.harness.server_python``)."""
+    served from the main environment (``bench.harness.server_python``). Its CPU tier holds all
+    a module Stores (1 GiB): the default 256 MiB is about what four ~2.9K-token prompts of
+    SmolLM2's KV take (~23 KB a token), and an eviction of the first prompt's chunks would turn
+    the reuse these tests check into a gap."""
     from bench.harness import server_python, sidecar_process
 
     if not Path(server_python()).exists():
         pytest.skip(f"{server_python()} not found: the sidecar runs from the main environment")
-    with sidecar_process("--set", "chunker.anchor_tokens=[1]", python=server_python()) as target:
+    with sidecar_process("--set", "chunker.anchor_tokens=[1]", "--set", f"store.cpu_bytes={1 << 30}",
+                         python=server_python()) as target:
         yield target
 
 
