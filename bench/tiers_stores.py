@@ -3,7 +3,9 @@
     python -m bench.tiers_stores                      # 1 and 8 clients, this checkout's server
     python -m bench.tiers_stores --baseline /work/main  # the same against another checkout, interleaved
 
-Each client is an asyncio task in this process with its own channel and tenant; every Store is
+Each client runs in a process of its own (as engines do; ``--in-process``: as asyncio tasks of
+this process, whose one interpreter then bounds the rate too) with its own channel and tenant,
+and starts its timed window once every client is prepared; every Store is
 a fresh random 1,024-token prompt with the KV payload of every chunk (a GQA layout of 4 KiB per
 token: ~4 MiB a Store, chunks of ~512 KiB), so each call writes new chunks and, once the CPU
 tier (64 MiB) is full, evicts old ones. Prompts and their chunk bounds are prepared before the
@@ -126,40 +128,105 @@ async def _prepare(c: SidecarClient, rng: np.random.Generator, n: int) -> list[t
     return out
 
 
-async def _client(target: str, idx: int, seconds: float, seed: int) -> tuple[int, int]:
+def _connect(target: str, idx: int) -> SidecarClient:
+    return SidecarClient(target, tenant=f"t{idx}", retry=RetryPolicy(attempts=1), timeout_s=120,
+                         channel_options=OWN_CONNECTION)
+
+
+async def _ready(c: SidecarClient, idx: int, seed: int) -> list[tuple[np.ndarray, dict]]:
+    """Prompts prepared and the channel warmed by one Store: what a client does before its window."""
+    prepared = await _prepare(c, np.random.default_rng(seed * 1000 + idx), 24)
+    await c.store(prepared[0][0], identity=IDENT, layout=LAYOUT, payloads=prepared[0][1])
+    return prepared
+
+
+async def _stores(c: SidecarClient, prepared: list[tuple[np.ndarray, dict]], seconds: float) -> tuple[int, int]:
     """Stores for ``seconds``: (calls, payload bytes)."""
-    rng = np.random.default_rng(seed * 1000 + idx)
-    async with SidecarClient(target, tenant=f"t{idx}", retry=RetryPolicy(attempts=1), timeout_s=120,
-                             channel_options=OWN_CONNECTION) as c:
-        prepared = await _prepare(c, rng, 24)
-        await c.store(prepared[0][0], identity=IDENT, layout=LAYOUT, payloads=prepared[0][1])  # warm the channel
-        calls = nbytes = 0
-        deadline = time.perf_counter() + seconds
-        i = 1
-        while time.perf_counter() < deadline:
-            tokens, payloads = prepared[i % len(prepared)]
-            # A prompt used again under another namespace: the same bounds, new chunk keys.
-            ident = IDENT if i < len(prepared) else replace(IDENT, namespace=f"r{i}")
-            await c.store(tokens, identity=ident, layout=LAYOUT, payloads=payloads)
-            calls += 1
-            nbytes += sum(len(p) for p in payloads.values())
-            i += 1
-        return calls, nbytes
+    calls = nbytes = 0
+    deadline = time.perf_counter() + seconds
+    i = 1
+    while time.perf_counter() < deadline:
+        tokens, payloads = prepared[i % len(prepared)]
+        # A prompt used again under another namespace: the same bounds, new chunk keys.
+        ident = IDENT if i < len(prepared) else replace(IDENT, namespace=f"r{i}")
+        await c.store(tokens, identity=ident, layout=LAYOUT, payloads=payloads)
+        calls += 1
+        nbytes += sum(len(p) for p in payloads.values())
+        i += 1
+    return calls, nbytes
 
 
-async def measure(target: str, clients: int, seconds: float, seed: int) -> dict:
+async def _client(target: str, idx: int, seconds: float, seed: int) -> tuple[int, int]:
+    async with _connect(target, idx) as c:
+        return await _stores(c, await _ready(c, idx, seed), seconds)
+
+
+def _client_process(target: str, idx: int, seconds: float, seed: int) -> None:
+    """``--client``: one client in a process of its own (as an engine is). Prints ``READY`` once
+    prepared, starts its window on a line from stdin, prints ``RESULT calls bytes``."""
+
+    async def main() -> None:
+        async with _connect(target, idx) as c:
+            prepared = await _ready(c, idx, seed)
+            print("READY", flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+            calls, nbytes = await _stores(c, prepared, seconds)
+            print(f"RESULT {calls} {nbytes}", flush=True)
+
+    asyncio.run(main())
+
+
+def _line(proc: subprocess.Popen, tag: str) -> list[str]:
+    for line in proc.stdout:
+        if line.startswith(tag):
+            return line.split()[1:]
+    raise RuntimeError(f"a Store client exited (code {proc.wait()}) before printing {tag}")
+
+
+def measure(target: str, clients: int, seconds: float, seed: int, processes: bool = True) -> dict:
+    """``clients`` concurrent Store clients for ``seconds``: each in a process of its own
+    (``processes``, as engines are), or all as asyncio tasks of this process (whose one
+    interpreter then also bounds the rate). Throughput over the timed windows only: preparation
+    is done before (processes start together once all are ready)."""
     t0 = time.perf_counter()
-    res = await asyncio.gather(*(_client(target, i, seconds, seed) for i in range(clients)))
+    if not processes:
+        async def gather() -> list[tuple[int, int]]:
+            return await asyncio.gather(*(_client(target, i, seconds, seed) for i in range(clients)))
+
+        res = asyncio.run(gather())
+    else:
+        root = Path(__file__).resolve().parents[1]
+        procs = [subprocess.Popen([sys.executable, "-m", "bench.tiers_stores", "--client", target, str(i), str(seconds),
+                                   str(seed)], cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                 for i in range(clients)]
+        done = False
+        try:
+            for p in procs:
+                _line(p, "READY")
+            t0 = time.perf_counter()
+            for p in procs:
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            res = [tuple(int(x) for x in _line(p, "RESULT")) for p in procs]
+            done = True
+        finally:
+            for p in procs:
+                try:
+                    p.wait(timeout=30 if done else 0.01)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
     wall = time.perf_counter() - t0
     calls = sum(r[0] for r in res)
     nbytes = sum(r[1] for r in res)
-    # Throughput over the timed windows only (preparation is excluded by each client's deadline).
     return {"clients": clients, "calls": calls, "mib": nbytes / 2**20, "mib_s": nbytes / 2**20 / seconds,
             "stores_s": calls / seconds, "wall_s": wall}
 
 
-def run(roots: dict[str, Path], clients: list[int], seconds: float, rounds: int, workers: int = 1) -> dict:
+def run(roots: dict[str, Path], clients: list[int], seconds: float, rounds: int, workers: int = 1,
+        processes: bool = True) -> dict:
     """Throughput per (arm, clients), interleaved round by round; the best round is kept.
+    ``processes``: each client in a process of its own (else asyncio tasks of this process).
     ``workers`` > 1 adds an arm: this checkout with that many worker processes on one port,
     the shared registry and the remote tier on a Redis (docs/operations.md, "Workers")."""
     results: dict[str, dict[int, list[dict]]] = {arm: {n: [] for n in clients} for arm in roots}
@@ -176,11 +243,12 @@ def run(roots: dict[str, Path], clients: list[int], seconds: float, rounds: int,
         for r in range(rounds):
             for n in clients:
                 for arm, target in targets.items():
-                    row = asyncio.run(measure(target, n, seconds, seed=r * 17 + n))
+                    row = measure(target, n, seconds, seed=r * 17 + n, processes=processes)
                     results[arm][n].append(row)
                     print(f"  round {r} {arm:>8} {n:>2} clients: {row['mib_s']:7.1f} MiB/s {row['stores_s']:6.1f} Stores/s",
                           flush=True)
-    out: dict = {"prompt_tokens": PROMPT_TOKENS, "bytes_per_token": LAYOUT.bytes_per_token,
+    out: dict = {"clients_as": "processes" if processes else "asyncio tasks of one process",
+                 "prompt_tokens": PROMPT_TOKENS, "bytes_per_token": LAYOUT.bytes_per_token,
                  "seconds": seconds, "rounds": rounds, "server_flags": list(SERVER_FLAGS), "arms": {}}
     for arm in results:
         best = {n: max(rows, key=lambda x: x["mib_s"]) for n, rows in results[arm].items()}
@@ -200,11 +268,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--baseline", default=None, help="another checkout whose server runs as the 'before' arm")
     ap.add_argument("--workers", type=int, default=1, help="N > 1: also an arm with N worker processes (Redis)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="clients as asyncio tasks of this process instead of a process each")
+    ap.add_argument("--client", nargs=4, metavar=("TARGET", "INDEX", "SECONDS", "SEED"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.client:
+        target, idx, seconds, seed = args.client
+        _client_process(target, int(idx), float(seconds), int(seed))
+        return
     roots = {"after": Path(__file__).resolve().parents[1]}
     if args.baseline:
         roots = {"before": Path(args.baseline), **roots}
-    out = run(roots, [int(c) for c in args.clients.split(",")], args.seconds, args.rounds, args.workers)
+    out = run(roots, [int(c) for c in args.clients.split(",")], args.seconds, args.rounds, args.workers,
+              processes=not args.in_process)
     for arm, a in out["arms"].items():
         print(arm, {k: round(v, 2) for k, v in a.items() if k.startswith("speedup")},
               {n: round(b["mib_s"], 1) for n, b in a["by_clients"].items()})

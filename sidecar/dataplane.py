@@ -49,6 +49,7 @@ import logging
 import struct
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -161,6 +162,18 @@ class DataPlaneCounters:
     rotated_bytes: int = 0
     rotation_seconds: float = 0.0
     events: dict[str, int] = field(default_factory=dict)
+
+
+def _put_all(puts: list[Callable[[], Any]]) -> tuple[list[Any], BaseException | None]:
+    """Run ``puts`` in order (on a worker thread) until one raises: (the results, its exception
+    or None). The caller decides what an exception means (relax claims and retry, roll back)."""
+    out = []
+    for put in puts:
+        try:
+            out.append(put())
+        except BaseException as exc:  # noqa: BLE001 - handed to the event loop, which re-raises it
+            return out, exc
+    return out, None
 
 
 class DataPlane:
@@ -355,37 +368,49 @@ class DataPlane:
             )
             if need:
                 self.claims.check_store(tenant, need)
+        puts = [
+            functools.partial(
+                self.store.put, chunk_key(entries[start].key), payloads[start], layout=layout,
+                num_tokens=entries[start].num_tokens, tenant=tenant, scope=scope,
+                source_position=entries[start].source_pos, aux=encode_aux(entries[start]), publish=self.publish_remote,
+            )
+            for start in order
+        ]
+
+        def took(start: int, result: Any) -> None:
+            if result.published:
+                shared_copies.add(entries[start].key)
+            if result.stored:
+                stored.append(result.key)
+            else:
+                meta = self.store.meta(result.key)
+                canonical = decode_aux(meta) if meta is not None else None
+                if canonical is not None:
+                    held[start] = canonical
+            tiers[start] = result.tier.value
+
         try:
-            for i, start in enumerate(order):
-                e = entries[start]
-                put = functools.partial(
-                    self.store.put, chunk_key(e.key), payloads[start], layout=layout, num_tokens=e.num_tokens,
-                    tenant=tenant, scope=scope, source_position=e.source_pos, aux=encode_aux(e),
-                    publish=self.publish_remote,
-                )
-                try:
-                    result = await asyncio.to_thread(put)
-                except CapacityError as exc:
-                    if self.claims is None:
-                        raise
-                    await self.synced()  # guards may have moved chunks: the ledger must see where they are
-                    verdict = self.claims.store_refusal(exc, tenant, sum(self.store.object_footprint(len(payloads[s])) for s in order))
-                    if verdict is True:
-                        result = await asyncio.to_thread(put)  # demotable claims relaxed: once more
-                    elif verdict is False:
-                        raise
-                    else:
-                        raise verdict from exc
-                if result.published:
-                    shared_copies.add(e.key)
-                if result.stored:
-                    stored.append(result.key)
+            i = 0
+            while i < len(order):
+                # The chunks in one worker-thread job until one fails: one hand-off per Store,
+                # not one per chunk (each costs the event loop and the worker the GIL twice).
+                results, exc = await asyncio.to_thread(_put_all, puts[i:])
+                for result in results:
+                    took(order[i], result)
+                    i += 1
+                if exc is None:
+                    break
+                if not isinstance(exc, CapacityError) or self.claims is None:
+                    raise exc
+                await self.synced()  # guards may have moved chunks: the ledger must see where they are
+                verdict = self.claims.store_refusal(exc, tenant, sum(self.store.object_footprint(len(payloads[s])) for s in order))
+                if verdict is True:
+                    took(order[i], await asyncio.to_thread(puts[i]))  # demotable claims relaxed: once more
+                    i += 1
+                elif verdict is False:
+                    raise exc
                 else:
-                    meta = self.store.meta(result.key)
-                    canonical = decode_aux(meta) if meta is not None else None
-                    if canonical is not None:
-                        held[start] = canonical
-                tiers[start] = result.tier.value
+                    raise verdict from exc
         except QuotaExceededError as exc:
             await self._rollback(stored)
             raise ResourceExhausted(f"limits.max_bytes (tenant quota): {exc}") from exc

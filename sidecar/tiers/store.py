@@ -737,7 +737,7 @@ class TieredStore:
                     self._place.forget(e)
                     self._emit(EventKind.DELETED, e, fastest, None, Reason.OPERATOR)
                 for tier in held:
-                    self._drain_and_remove(e, tier)
+                    self._drain_and_remove(e, tier, deleting=True)
                 removed += 1
         if unknown and self._io.remote is not None:
             with self._writer():
@@ -1032,8 +1032,11 @@ class TieredStore:
             logger.warning("chunk %s lost from %s (%s)", e.key.hex(), tier.value, reason.value)
             self._drain_and_remove(e, tier)
 
-    def _drain_and_remove(self, e: Entry, tier: Tier) -> None:
-        """Remove the bytes of ``e`` from ``tier`` once no reader has them pinned."""
+    def _drain_and_remove(self, e: Entry, tier: Tier, *, deleting: bool = False) -> None:
+        """Remove the bytes of ``e`` from ``tier`` once no reader has them pinned. A remote
+        removal the server does not confirm is counted (``io_errors``) and logged: as an ERROR
+        for a ``delete`` (the caller asked for the bytes to be gone), as a WARNING when the chunk
+        was evicted, moved or found lost (the copy left behind is the chunk's own valid bytes)."""
         with self._lock:
             if not self._cv.wait_for(lambda: tier not in e.readers, timeout=self._config.io_timeout_s):
                 logger.error("readers of %s in %s did not finish; removing anyway", e.key.hex(), tier.value)
@@ -1045,8 +1048,11 @@ class TieredStore:
                     del self._remote_removing[e.key]
                 if not confirmed:
                     self._counters.io_errors += 1
-            if not confirmed:
+            if not confirmed and deleting:
                 logger.error("remote delete of %s could not be confirmed", e.key.hex())
+            elif not confirmed:
+                logger.warning("remote copy of %s could not be removed (remote tier unreachable); left on the server",
+                               e.key.hex())
 
     def _recover(self) -> None:
         """Index what the disk tier holds (oldest first), evicting past its capacity."""
