@@ -34,16 +34,15 @@ import numpy as np
 import torch
 
 from bench.harness import RESULTS, machine, pct, sidecar_process, time_calls, write_results
-from sidecar.claims import ClaimsConfig
+from sidecar.claims import Admit, ClaimsConfig
 from sidecar.client import SyncSidecarClient
 from sidecar.config import SidecarConfig
 from sidecar.errors import ResourceExhausted
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.registry.chunker import ChunkerConfig
-from sidecar.registry.registry import EntryState
-from sidecar.server import ServerThread
+from sidecar.registry.entry import EntryState
+from sidecar.app import ServerThread
 from sidecar.tiers import StoreConfig
-from sidecar.v1 import sidecar_pb2 as pb
 
 BLOCK = 16
 SLOT = 8192
@@ -94,7 +93,7 @@ def sweep_cell(usable: int, policy: str) -> dict:
             c.claim("claim:resident", identity=IDENT, mode="hard_protected", tokens=resident)
             c.report_pool(usable_blocks=usable, free_blocks=usable, block_size=BLOCK, hard_protection=True)
             adm = c.admit_active("active", ACTIVE)
-            if adm.decision == pb.ADMIT_DECISION_REFUSED:
+            if adm.decision == Admit.REFUSED:
                 run_active = False
                 row["refused_with_attribution"] = list(adm.blocking_claim_ids) == ["claim:resident"]
                 row["blocking_claim_ids"] = list(adm.blocking_claim_ids)

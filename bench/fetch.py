@@ -17,7 +17,7 @@ through the shared-memory data plane (``shared_memory=True``: a same-host engine
 
 ``--baseline DIR`` starts a second sidecar from another checkout (e.g. ``git archive`` of the
 commit before a change) and times it in the same run, interleaved rep by rep; the figures of the
-result file from before issue 14 stay under ``before``.
+result file from before batched Fetch rotation (commit 4a610a9) stay under ``before``.
 """
 
 from __future__ import annotations
@@ -239,9 +239,9 @@ def main() -> None:
     if "baseline" in rows:
         results["baseline_same_run"] = {"root": str(args.baseline), "chunks": rows["baseline"]}
     before = old.get("before")
-    if before is None and "chunks" in old:  # the first run after issue 14 keeps the figures before it
+    if before is None and "chunks" in old:  # the first run after batched rotation keeps the figures before it
         before = {k: old[k] for k in old if k != "machine"}
-        before["note"] = "per-chunk-per-layer rotation on Fetch, before issue 14 (commit 4a610a9)"
+        before["note"] = "per-chunk-per-layer rotation on Fetch, before batched rotation (commit 4a610a9)"
     if before is not None:
         results["before"] = before
     results.update({k: v for k, v in old.items() if k.startswith("ab_")})  # recorded A/B runs stay

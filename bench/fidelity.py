@@ -1,4 +1,4 @@
-"""Fidelity benchmark (issue 5): output consistency of each cache path against full prefill.
+"""Fidelity benchmark: output consistency of each cache path against full prefill.
 
 For every scenario and model: warm-up requests fill the engine's own prefix cache and the
 sidecar; then the target prompt's full-prefill greedy continuation (``--new-tokens``) is
@@ -151,11 +151,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
+    from bench.fidelity_config import sidecar_config
     from bench.harness import machine
     from bench.tokenizer import ChatTemplate
     from clients.transformers.fidelity import DISCLAIMER
     from sidecar.client import SyncSidecarClient
-    from sidecar.server import ServerThread
+    from sidecar.app import ServerThread
 
     t0 = time.perf_counter()
     template = ChatTemplate()
@@ -173,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     total = time.perf_counter() - t0
     print(f"\n{DISCLAIMER}\ntotal {total:.0f}s")
     doc = {
-        "benchmark": "fidelity (issue 5): teacher-forced output consistency vs full prefill",
+        "benchmark": "fidelity: teacher-forced output consistency vs full prefill",
         "disclaimer": DISCLAIMER,
         "metrics": {
             "mean_kl / max_kl": "KL(p_full || p_arm) per generated token, nats",
@@ -196,16 +197,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0 if doc["checks_passed"] else 1
-
-
-def sidecar_config(template):
-    from sidecar.config import SidecarConfig
-    from sidecar.registry.chunker import ChunkerConfig
-    from sidecar.tiers import StoreConfig
-
-    return SidecarConfig(port=0, metrics_port=-1, log_level="WARNING",
-                         chunker=ChunkerConfig(anchor_tokens=tuple(template.anchor_token_ids)),
-                         store=StoreConfig(cpu_bytes=2 << 30))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Load: N concurrent clients against one sidecar process, a mix of Lookup, Store (with KV
-payloads), Fetch and Splice, stepped over concurrency to find the knee (issue 13, Deliver 3).
+payloads), Fetch and Splice, stepped over concurrency to find the knee.
 
     ./dev bench load                          # sweep 1, 4, 8, 16, 32 clients, 20 s a step (~3 min)
     ./dev bench load --clients 16 --step-s 60 # one step

@@ -34,7 +34,7 @@ from sidecar.client import SyncSidecarClient
 from sidecar.identity import CacheIdentity
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
-from sidecar.wire import identity_to_wire, plan_from_wire
+from sidecar.api.kv import identity_to_wire, lookup_plan_from_wire
 
 ANCHORS = (151644, 151645)
 
@@ -59,12 +59,12 @@ def breakdown(sizes: list[int], reps: int) -> dict:
     windows and each is probed), the same with ``seed_interval: 0`` (``miss_no_seeds``), and the
     window scan alone (``seed_windows``). Minimum and median microseconds over ``reps`` after
     warm-up, the phases interleaved."""
+    from sidecar.api.kv import lookup_plan_to_wire
     from sidecar.config import load_config
-    from sidecar.registry.index import ChunkIndex
+    from sidecar.registry.chunk_index import ChunkIndex
     from sidecar.registry.registry import InMemoryRegistry, RegistryConfig
     from sidecar.registry.seeds import windows
-    from sidecar.server import ServerThread
-    from sidecar.wire import plan_to_wire
+    from sidecar.app import ServerThread
 
     phases = ("decode", "lookup", "to_wire", "serialize", "metrics", "chunk", "reference", "miss", "miss_no_seeds",
               "seed_windows")
@@ -74,7 +74,7 @@ def breakdown(sizes: list[int], reps: int) -> dict:
     out = {}
     clock = time.perf_counter
     with ServerThread(cfg) as st, SyncSidecarClient(st.target, tenant="bench") as client:
-        sv = st.server.servicer
+        sv = st.server.kv
         index, observe = sv.index, sv.metrics.lookup_hit_segment_tokens.observe_many
         for n in sizes:
             body = conversation(rng, n - 64)
@@ -96,7 +96,7 @@ def breakdown(sizes: list[int], reps: int) -> dict:
                 t.append(clock())
                 plan = index.lookup(q)
                 t.append(clock())
-                msg = plan_to_wire(plan)
+                msg = lookup_plan_to_wire(plan)
                 t.append(clock())
                 msg.SerializeToString()
                 t.append(clock())
@@ -188,12 +188,12 @@ def main() -> None:
             calls, plans = {}, {}
             for srv, (client, stub) in stubs.items():
                 client.store(old, identity=ident)
-                plans[srv] = plan = plan_from_wire(stub.Lookup(req, metadata=md))
+                plans[srv] = plan = lookup_plan_from_wire(stub.Lookup(req, metadata=md))
                 plan.check_tiling(len(new))
                 calls[srv] = {
                     "ping": lambda stub=stub: stub.Ping(ping_req, metadata=md),
-                    "lookup": lambda stub=stub: plan_from_wire(stub.Lookup(req, metadata=md)),
-                    "floor": lambda stub=stub: plan_from_wire(stub.Lookup(floor_req, metadata=md)),
+                    "lookup": lambda stub=stub: lookup_plan_from_wire(stub.Lookup(req, metadata=md)),
+                    "floor": lambda stub=stub: lookup_plan_from_wire(stub.Lookup(floor_req, metadata=md)),
                 }
             timed = alternating(calls, args.reps)
             for srv in servers:
@@ -239,7 +239,7 @@ def main() -> None:
     print(f"results: {write_results('lookup', results)}")
 
 
-BEFORE_LABEL = "before issue 14 (commit 4a610a9), same machine, run just before"
+BEFORE_LABEL = "the code before hit segments (commit 4a610a9), same machine, run just before"
 
 
 def _before() -> dict:

@@ -40,7 +40,6 @@ Writes bench/results/fidelity_smollm2.json and fidelity_smollm2.png.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -312,12 +311,13 @@ def seed_plans(model: str, questions: int, seed: int) -> int:
     """Plan the benchmark's prompts with seeds at the registry defaults and with seeds off (no
     model: warm requests registered as stored, Lookups dry, k = 4); print the prompts whose
     reuse differs. No difference: the run's figures hold with seeds on or off."""
-    from bench.fidelity import sidecar_config
+    from bench.fidelity_config import sidecar_config
     from bench.hf_chat import HFChatTemplate
     from clients.transformers import load_tokenizer
     from sidecar.identity import CacheIdentity
-    from sidecar.registry.index import ChunkIndex, LookupQuery
-    from sidecar.registry.registry import EntryState, InMemoryRegistry, RegistryConfig
+    from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
+    from sidecar.registry.entry import EntryState
+    from sidecar.registry.registry import InMemoryRegistry, RegistryConfig
 
     template = HFChatTemplate(load_tokenizer(model))
     chunker = sidecar_config(template).chunker
@@ -375,13 +375,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.seed_plans:
         return seed_plans(args.model, questions, args.seed)
 
-    from bench.fidelity import sidecar_config
+    from bench.fidelity_config import sidecar_config
     from bench.harness import machine
     from bench.hf_chat import HFChatTemplate
     from clients.transformers import FAST_ATTENTION, INVARIANT_ATTENTION, load_model, load_tokenizer
     from clients.transformers.fidelity import SWEEP_ARMS
     from sidecar.client import SyncSidecarClient
-    from sidecar.server import ServerThread
+    from sidecar.app import ServerThread
 
     import torch
 

@@ -1,4 +1,4 @@
-"""Recovery benchmark (issue 2): how much of each prompt a cache would serve, per arm.
+"""Recovery benchmark: how much of each prompt a cache would serve, per arm.
 
 Observer mode: every arm sees the same requests in arrival order, counts for each request how
 many of its tokens would be served from cache given everything it saw before, then registers
@@ -19,7 +19,7 @@ structure of the traffic against each cache's matching rule::
                 when i lies in the exact16 hit; an upper bound for chunk reuse at >= 64-token
                 granularity (the sidecar can exceed it only on shorter anchored repeats)
 
-Goals (issue 2): sidecar >= 95% of the oracle on every synthetic workload; sidecar >= exact16
+Goals: sidecar >= 95% of the oracle on every synthetic workload; sidecar >= exact16
 on every request of every workload. Percentages are token-weighted over the workload.
 
 Run: ``python -m bench.recovery`` (or ``./dev bench recovery``); ``--quick`` for a smoke run,
@@ -51,7 +51,7 @@ EXACT_BLOCK = 16
 LMCACHE_CHUNK = 256
 ORACLE_WINDOW = 64
 GOAL_ORACLE_FRACTION = 0.95
-#: issue 14: no hit segment (and no Fetch item) below this many tokens
+#: no hit segment (and no Fetch item) below this many tokens
 MIN_FETCH_TOKENS = 16
 TRACE_NAMES = ("tau_bench", "mini_swe")
 #: ``--quick`` replays this many trajectories per trace file; the default run replays all of them.
@@ -291,7 +291,7 @@ class SidecarArm:
     def run(self, requests: Sequence[np.ndarray], engine_prefix: np.ndarray) -> SidecarCounts:
         from sidecar.client import SyncSidecarClient
         from sidecar.identity import CacheIdentity
-        from sidecar.server import ServerThread
+        from sidecar.app import ServerThread
 
         ident = CacheIdentity(model_id="bench")
         n = len(requests)
@@ -604,12 +604,12 @@ def build_workloads(args: argparse.Namespace, template: ChatTemplate) -> list[Wo
     return out
 
 
-BEFORE_LABEL = "before issue 14 (commit 4a610a9, same settings): per-chunk plans, boundary repair per chunk, no hit extension"
+BEFORE_LABEL = "before hit segments (commit 4a610a9, same settings): per-chunk plans, boundary repair per chunk, no hit extension"
 
 
 def baseline(path: Path) -> dict | None:
     """The figures to compare with: the ``before`` block of an earlier results file, or (a file
-    written before issue 14) its sidecar figures, kept under ``before`` in the new file."""
+    written before hit segments) its sidecar figures, kept under ``before`` in the new file."""
     try:
         old = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -703,7 +703,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f" {r.sidecar_over_oracle:.4f}")
 
     doc = {
-        "benchmark": "recovery (issue 2), observer mode",
+        "benchmark": "recovery, observer mode",
         "arms": {
             "exact16": f"prefix-chained {EXACT_BLOCK}-token blocks (vLLM APC)",
             "lmcache256": f"lmcache.v1.token_database.ChunkedTokenDatabase chunk_size={LMCACHE_CHUNK}, "

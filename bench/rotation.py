@@ -14,8 +14,8 @@ that many slots. Single-threaded and two-threaded (torch and numba thread counts
 On a CUDA device the Triton path is compared with a device-to-device ``copy_``.
 
 Columns: ``fused/copy`` one delta for the call; ``per-chunk`` one delta per 128-token chunk
-(keys: 256 distinct) or per 512-slot region (slots: 64 distinct); ``batched`` the Fetch path
-(issue 14): the same keys as separate 128-token chunk payloads of 32 layers (keys: 8 chunks) or
+(keys: 256 distinct) or per 512-slot region (slots: 64 distinct); ``batched`` the Fetch path:
+the same keys as separate 128-token chunk payloads of 32 layers (keys: 8 chunks) or
 16 layers (k_pe: 16 chunks), each chunk with its own delta, rotated in place by one
 ``rotate_payloads_`` call; ``per-call`` the Fetch path before it, one in-place ``rotate_keys``
 call per chunk per layer (256 calls); ``native`` the eager-torch reference (first
@@ -303,7 +303,7 @@ def _print_drift(drift: dict[str, dict[str, float]]) -> None:
 
 
 def _write_keeping_before(payload: dict[str, Any], partial: bool = False):
-    """Write bench/results/rotation.json keeping the figures measured before issue 14 under
+    """Write bench/results/rotation.json keeping the figures measured before batched rotation under
     ``before`` (and, for a partial run, every other key of the file)."""
     import json
 
@@ -312,9 +312,9 @@ def _write_keeping_before(payload: dict[str, Any], partial: bool = False):
     path = RESULTS / "rotation.json"
     old = json.loads(path.read_text()) if path.exists() else {}
     before = old.get("before")
-    if before is None and "throughput" in old:  # the first run after issue 14: keep the old figures
+    if before is None and "throughput" in old:  # the first run after batched rotation: keep the old figures
         before = {k: old[k] for k in ("throughput", "machine") if k in old}
-        before["note"] = "fused kernels and per-chunk-per-layer Fetch rotation before issue 14 (commit 4a610a9)"
+        before["note"] = "fused kernels and per-chunk-per-layer Fetch rotation (commit 4a610a9)"
     doc = {**old, **payload} if partial else {**payload, **({"crossover": old["crossover"]} if "crossover" in old else {})}
     if before is not None:
         doc["before"] = before

@@ -38,7 +38,7 @@ from sidecar.client import SyncSidecarClient
 from sidecar.identity import CacheIdentity
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
-from sidecar.wire import identity_to_wire, plan_from_wire
+from sidecar.api.kv import identity_to_wire, lookup_plan_from_wire
 
 
 def main() -> None:
@@ -68,7 +68,7 @@ def main() -> None:
         ping_req = pb.PingRequest()
 
         def lookup(target: str, req: pb.LookupRequest, tenant: str):
-            return plan_from_wire(stubs[target].Lookup(req, metadata=(("x-tenant-id", tenant),)))
+            return lookup_plan_from_wire(stubs[target].Lookup(req, metadata=(("x-tenant-id", tenant),)))
 
         def mgets() -> int:
             return int(r.info("commandstats").get("cmdstat_mget", {}).get("calls", 0))

@@ -1,4 +1,4 @@
-"""Splice benchmark (issue 9): planning time, and the three-arm message-edit benchmark.
+"""Splice benchmark: planning time, and the three-arm message-edit benchmark.
 
     ./dev bench splice                    # everything (~12 minutes on 2 cores)
     ./dev bench splice --only planning    # planning time only (~1 minute)
@@ -21,7 +21,7 @@ mean. Goal: <= 1 ms server side for 8 directives.
     splice        the engine session edited in place over gRPC: Splice -> apply the plan
                   (prefill the new tokens, rotate and reindex the kept ones) -> CommitSplice
 
-The directives come from the Policy SDK (``sidecar.policy.diff_directives``: both message
+The directives come from the Policy SDK (``sidecar.sdk.policy.diff_directives``: both message
 lists rendered with the model's chat template and diffed at message boundaries). TTFT is the
 request start to the first-token logits (splice: the Splice RPC, applying the plan and the
 commit included). Cache hit: prompt tokens not prefilled; the oracle keeps every token that is
@@ -36,7 +36,7 @@ not inside an edit (the directives' replacements are the only new tokens).
   ``edit_replay`` (the seed's build-edit-replay: a tau-bench conversation is built call by call,
   then one of its first two user messages is edited and the whole conversation is replayed)
   and the real traces with the reference truncation policy applied
-  (``sidecar.policy.TruncateOldToolOutputs``; each call's history is the policy's output).
+  (``sidecar.sdk.policy.TruncateOldToolOutputs``; each call's history is the policy's output).
   Reported: cache hit per arm and the oracle, TTFT p50/p99 per arm, and the fidelity of
   amortize against the full prefill (cache_off) of the same prompt: KL of the next-token
   distribution, argmax agreement, and answer agreement (the greedy answer of ``--answer-tokens``
@@ -100,7 +100,7 @@ class SpliceMeter:
 def planning(args: argparse.Namespace) -> dict:
     from sidecar.client import SyncSidecarClient
     from sidecar.directives import SessionId, SessionMirror, plan_splice
-    from sidecar.wire_directives import directives_from_wire, directives_to_wire, plan_to_wire
+    from sidecar.api.sessions import directives_from_wire, directives_to_wire, op_plan_to_wire
 
     rng = np.random.default_rng(0)
     n = PLAN_TOKENS
@@ -121,8 +121,8 @@ def planning(args: argparse.Namespace) -> dict:
                 decode = time_calls(lambda: directives_from_wire(wire, max_directives=256), reps, warmup=5)
                 plan = plan_splice(mirror, ds)
                 planned = time_calls(lambda: plan_splice(mirror, ds), reps, warmup=5)
-                encode = time_calls(lambda: plan_to_wire(plan, 30.0), reps, warmup=5)
-                size = plan_to_wire(plan, 30.0).ByteSize()
+                encode = time_calls(lambda: op_plan_to_wire(plan, 30.0), reps, warmup=5)
+                size = op_plan_to_wire(plan, 30.0).ByteSize()
 
                 def rpc() -> None:
                     p = client.splice(session.session_id, 0, ds)
@@ -296,7 +296,7 @@ class Arms:
 
 
 def diff(old_msgs, new_msgs, template, tools, mode_for=None):
-    from sidecar.policy import diff_directives
+    from sidecar.sdk.policy import diff_directives
 
     return diff_directives(old_msgs, new_msgs, template, tools=tools, mode_for=mode_for)
 
@@ -318,7 +318,7 @@ def long_history(pool, template, target: int):
 def edit_near(msgs, template, tools, frac: float, extra: str):
     """Edit the message whose start is nearest ``frac`` of the prompt: a tool output long enough
     to truncate is cut to the policy's stub, anything else gets ``extra`` inserted in its middle."""
-    from sidecar.policy import TruncateOldToolOutputs, render_blocks
+    from sidecar.sdk.policy import TruncateOldToolOutputs, render_blocks
 
     pol = TruncateOldToolOutputs()
     starts = render_blocks(template, msgs, tools).starts
@@ -390,7 +390,7 @@ def edit_replay_requests(pool, template, args):
 def trace_requests(pool, name: str, first: int, calls: int):
     """Consecutive calls of a trace's first trajectory, each history as the truncation policy
     leaves it: (label, call, previous history, this history, tools)."""
-    from sidecar.policy import TruncateOldToolOutputs
+    from sidecar.sdk.policy import TruncateOldToolOutputs
 
     pol = TruncateOldToolOutputs()
     t = (pool.swe if name == "mini_swe" else pool.tau)[0]

@@ -191,7 +191,7 @@ def _throughput(sizes: list[int], samples: int, threads: int, scratch: str | Non
 
 
 def _before(path: Path) -> dict:
-    """What the previous results file measured before issue 14 (kept, never overwritten)."""
+    """What the previous results file measured before batched Fetch rotation (kept, never overwritten)."""
     if not path.exists():
         return {}
     old = json.loads(path.read_text())

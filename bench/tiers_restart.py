@@ -43,9 +43,10 @@ from bench.harness import spawn_sidecar, stop_process
 from bench.tiers_stores import SERVER_FLAGS
 from sidecar.client import RetryPolicy, SidecarClient
 from sidecar.config import load_config
-from sidecar.dataplane import DataPlane, encode_aux
+from sidecar.dataplane import DataPlane
+from sidecar.dataplane.records import encode_aux
 from sidecar.identity import CacheIdentity, KVLayout
-from sidecar.registry.index import ChunkIndex
+from sidecar.registry.chunk_index import ChunkIndex
 from sidecar.registry.registry import InMemoryRegistry
 from sidecar.tiers import chunk_key
 

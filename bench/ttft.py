@@ -1,4 +1,4 @@
-"""TTFT benchmark (issue 5): time to first token with real forward passes, three cache arms.
+"""TTFT benchmark: time to first token with real forward passes, three cache arms.
 
 The reference engine (``clients.transformers``) serves every request of a workload three ways,
 on one model, in one run (arm order rotates per request so drift hits every arm alike)::
@@ -37,7 +37,7 @@ sysvar, rerank, message-edit replay, and real traces (tau-bench as recorded: app
 mini-swe with the truncation policy). Statistics use the requests after each workload's first
 (which no cache can serve).
 
-Goals (issue 5): agent_meta[H=1000] sidecar TTFT p50 <= 0.35x exact-prefix; sidecar overhead
+Goals: agent_meta[H=1000] sidecar TTFT p50 <= 0.35x exact-prefix; sidecar overhead
 (Lookup + Fetch + rotation + assembly) <= 10% of the prefill time it saves there; on the
 append-only trace the sidecar is at most 5% slower than exact-prefix (median of the per-request
 ratios: both arms prefill the same tokens there, so the pairing removes request-size spread).
@@ -667,7 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     png = None if args.only else plot(records, [w.label for w in workloads], args.plot,
                                       title=f"TTFT per request, {setup.title}, {host['cpus']}-core CPU")
     doc = {
-        "benchmark": "ttft (issue 5): time to first token, real forward passes",
+        "benchmark": "ttft: time to first token, real forward passes",
         "arms": {
             "cache_off": "full prefill of every prompt",
             "exact_prefix": "the engine's own exact-prefix cache (16-token blocks, capped at n-1, LRU)",

@@ -23,14 +23,14 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from sidecar.auth.limits import LimitsConfig
+from sidecar.limits import LimitsConfig
 from sidecar.auth.tls import TlsConfig
 from sidecar.auth.tokens import parse_entry
 from sidecar.claims.config import ClaimsConfig
 from sidecar.directives import SessionConfig
 from sidecar.manifests.config import ManifestsConfig
 from sidecar.registry.chunker import ChunkerConfig
-from sidecar.registry.plan import AdmissionPolicy, RepairScope
+from sidecar.registry.lookup_plan import AdmissionPolicy, RepairScope
 from sidecar.registry.registry import RegistryConfig
 from sidecar.registry.shared_keys import SharedRegistryConfig
 from sidecar.tiers import StoreConfig
@@ -132,7 +132,7 @@ class DirectivesConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class WireConfig:
-    """Bounds on every request message, checked as it is decoded (``sidecar.wire.RequestLimits``):
+    """Bounds on every request message, checked as it is decoded (``sidecar.api.kv.RequestLimits``):
     a request past one is refused with INVALID_ARGUMENT naming the field and the limit, before
     any handler runs. Token and payload bytes have their own limits (``max_prompt_tokens``,
     Store's layout x tokens sizes); Fetch items ``max_fetch_items``."""

@@ -73,7 +73,7 @@ def rng() -> np.random.Generator:
 @pytest.fixture
 async def sidecar():
     """A started sidecar on an ephemeral port; yields (server, target)."""
-    from sidecar.server import create_server
+    from sidecar.app import create_server
 
     server, port = await create_server(make_config())
     yield server, f"127.0.0.1:{port}"

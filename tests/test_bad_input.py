@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from sidecar.client import SidecarClient
-from sidecar.server import create_server
+from sidecar.app import create_server
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 from sidecar.identity import KVLayout
-from sidecar.wire import identity_to_wire, layout_to_wire
+from sidecar.api.kv import identity_to_wire, layout_to_wire
 from tests.conftest import make_config, message
 
 MAX_TOKENS = 4096
@@ -118,7 +118,7 @@ async def test_bad_tenant_header(small_server, identity, rng):
 
 
 def test_client_side_token_validation(identity):
-    from sidecar.wire import tokens_to_wire
+    from sidecar.api.kv import tokens_to_wire
 
     with pytest.raises(ValueError, match="uint32"):
         tokens_to_wire([1, -2])

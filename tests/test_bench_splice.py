@@ -11,7 +11,7 @@ from bench import splice as sb
 from bench.tokenizer import ChatTemplate
 from clients.transformers import INVARIANT_ATTENTION, build_model, llama_config
 from sidecar.client import SyncSidecarClient
-from sidecar.server import ServerThread
+from sidecar.app import ServerThread
 from tests.conftest import make_config
 
 

@@ -11,17 +11,13 @@ from bench import recovery as rec
 from bench.tokenizer import ANCHOR_TOKENS, SPECIAL_BASE, VOCAB_SIZE, ChatTemplate, HashTokenizer
 from bench.workloads import TruncateOldToolOutputs, Workload, load_trajectories, replay, trace_workload
 from bench.workloads import synthetic as syn
-from bench.workloads.traces import TRACES_DIR, Trajectory
-
-needs_traces = pytest.mark.skipif(not TRACES_DIR.is_dir(), reason=f"agent traces not found at {TRACES_DIR}")
+from bench.workloads.traces import Trajectory
 
 
 @pytest.fixture(scope="module")
 def pool():
     from bench.workloads import TextPool
 
-    if not TRACES_DIR.is_dir():
-        pytest.skip(f"agent traces not found at {TRACES_DIR}")
     return TextPool.load()
 
 
@@ -165,7 +161,6 @@ def test_truncation_moves_later_content_in_a_replay():
     assert len(cut[2]) < len(plain[2]) and len(cut[3]) < len(plain[3])
 
 
-@needs_traces
 def test_trace_workload_replays_every_call():
     tpl = ChatTemplate()
     w = trace_workload("tau_bench", tpl, limit=2)

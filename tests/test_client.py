@@ -76,7 +76,7 @@ def test_status_mapping_round_trip():
 
 
 def test_parse_fetch_frame_matches_protobuf():
-    from sidecar.client import parse_fetch_frame
+    from sidecar.api.frames import parse_fetch_frame
     from sidecar.v1 import sidecar_pb2 as pb
 
     for delta in (0, 1, -1, 250, -100_000, 2**40):

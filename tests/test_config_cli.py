@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from sidecar.config import load_config
-from sidecar.registry.plan import RepairScope
+from sidecar.registry.lookup_plan import RepairScope
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 

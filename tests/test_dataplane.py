@@ -15,7 +15,7 @@ from sidecar.client import SidecarClient
 from sidecar.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.rotation import RopeSpec, rotate_keys
-from sidecar.server import create_server
+from sidecar.app import create_server
 from sidecar.tiers import StoreConfig, TenantQuota
 from sidecar.tiers.codec import decode_payload
 from tests.conftest import ANCHORS, make_config, message
@@ -184,12 +184,12 @@ async def test_fetch_misses_and_refusals(rng):
 
 
 async def test_fetched_payloads_are_writable_buffers_the_caller_owns(rng, monkeypatch):
-    # The client carves payloads out of shared blocks (sidecar.client._PayloadArena); each is
+    # The client carves payloads out of shared blocks (sidecar.sdk.fetch.PayloadArena); each is
     # still the caller's own: writable, exactly its bytes, and writing one changes no other
     # payload and nothing on the server. A tiny block size makes chunks span several blocks.
-    import sidecar.client
+    import sidecar.sdk.fetch
 
-    monkeypatch.setattr(sidecar.client, "_PAYLOAD_BLOCK", 3 * LAYOUT.bytes_per_token * 64)
+    monkeypatch.setattr(sidecar.sdk.fetch, "_PAYLOAD_BLOCK", 3 * LAYOUT.bytes_per_token * 64)
     server, target = await start()
     first, _ = conversation(rng, 60)
     try:
@@ -257,7 +257,7 @@ async def test_fetch_requires_layout(rng):
     try:
         from sidecar.v1 import sidecar_pb2 as pb
         from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
-        from sidecar.wire import identity_to_wire
+        from sidecar.api.kv import identity_to_wire
 
         async with grpc.aio.insecure_channel(target) as ch:
             stub = pb_grpc.KVSidecarStub(ch)
@@ -267,23 +267,6 @@ async def test_fetch_requires_layout(rng):
             assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT and ei.value.details().startswith("layout")
     finally:
         await server.stop(0.1)
-
-
-def test_fetch_frames_are_protobuf():
-    """Pre-encoded Fetch frames parse as the FetchResponse messages they stand for."""
-    from sidecar.server import fetch_frames
-    from sidecar.v1 import sidecar_pb2 as pb
-
-    payload = bytes(range(256)) * 41  # 10496 bytes -> 3 parts of 4096
-    meta = pb.FetchResponse(index=3, status=pb.CHUNK_STATUS_OK, num_tokens=12, source_pos=7, delta=-5,
-                            rotated=True, tier="cpu")
-    frames = [pb.FetchResponse.FromString(f) for f in fetch_frames(meta, memoryview(payload), 4096)]
-    assert [f.last for f in frames] == [False, False, True]
-    assert all(f.index == 3 for f in frames)
-    assert (frames[0].delta, frames[0].tier, frames[0].num_tokens, frames[0].rotated) == (-5, "cpu", 12, True)
-    assert b"".join(f.data for f in frames) == payload
-    big = list(fetch_frames(pb.FetchResponse(index=0), memoryview(bytes(300)), 1 << 20))
-    assert pb.FetchResponse.FromString(big[0]).data == bytes(300)  # multi-byte varint length
 
 
 async def test_corrupted_disk_chunk_is_a_miss_and_metrics(rng, tmp_path):

@@ -1,4 +1,4 @@
-"""Error edges and promises the code keeps (issue 13): library ValueErrors are INTERNAL, a closed
+"""Error edges and promises the code keeps: library ValueErrors are INTERNAL, a closed
 store is UNAVAILABLE, Evict is never retried, registry evictions are counted, and a tier event
 buffer that overflowed makes the registry resync from the store."""
 
@@ -12,8 +12,9 @@ import torch
 from sidecar.client import RetryPolicy, SidecarClient
 from sidecar.errors import InvalidArgument, status_for
 from sidecar.identity import CacheIdentity, KVLayout
-from sidecar.registry.registry import EntryState, RegistryConfig
-from sidecar.server import create_server
+from sidecar.registry.entry import EntryState
+from sidecar.registry.registry import RegistryConfig
+from sidecar.app import create_server
 from sidecar.tiers import StoreConfig
 from sidecar.tiers.errors import TierUnavailableError
 from tests.conftest import ANCHORS, make_config, message

@@ -1,5 +1,5 @@
 """Fetch streams item by item with a per-request byte cap and duplicate items read once
-(issue 13: 4,096 copies of one chunk read, rotated and held 4,096 times)."""
+(before, 4,096 copies of one chunk were read, rotated and held 4,096 times)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from sidecar.client import SidecarClient
 from sidecar.errors import ResourceExhausted
-from sidecar.server import create_server
+from sidecar.app import create_server
 from sidecar.tiers import Tier
 from tests.conftest import make_config
 from tests.test_dataplane import IDENT, LAYOUT, SPEC, check_rotated, conversation, store_all

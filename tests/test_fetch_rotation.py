@@ -1,5 +1,5 @@
-"""A rotated Fetch over real gRPC rotates every chunk and layer of a window in one batched call
-(issue 14): the streamed payloads are bit-identical to rotating each chunk's rotary parts on
+"""A rotated Fetch over real gRPC rotates every chunk and layer of a window in one batched call:
+the streamed payloads are bit-identical to rotating each chunk's rotary parts on
 their own, for GQA and MLA layouts in fp32 / fp16 / bf16, with mixed deltas (negative, zero,
 positive), duplicates, misses and small fetch windows."""
 
@@ -13,7 +13,7 @@ from sidecar import dataplane
 from sidecar.client import SidecarClient
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.rotation import Pairing, RopeSpec, RotaryLayout, rotate_keys
-from sidecar.server import create_server
+from sidecar.app import create_server
 from sidecar.tiers import StoreConfig
 from sidecar.tiers.codec import decode_payload
 from tests.conftest import ANCHORS, make_config, message

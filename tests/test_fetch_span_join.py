@@ -1,4 +1,4 @@
-"""``sidecar.fetch_spans.join``: the rows of a span's chunks joined into one payload, byte for
+"""``sidecar.dataplane.spans.join``: the rows of a span's chunks joined into one payload, byte for
 byte what per-part tensor views give (every layout shape: uniform GQA blocks, MLA's two widths,
 a 1-byte part next to wider ones); ``pieces`` (the slices a shared-memory Fetch writes with one
 gathering write) concatenate to the same bytes."""
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sidecar.fetch_spans import join, pieces
+from sidecar.dataplane.spans import join, pieces
 from sidecar.identity import KVLayout, KVPart
 from sidecar.tiers.codec import decode_payload, payload_nbytes
 
@@ -27,7 +27,7 @@ def _chunk(layout: KVLayout, n: int, seed: int) -> SimpleNamespace:
 
 
 def _reference(results, rows, layout: KVLayout, num_tokens: int) -> torch.Tensor:
-    """Per part, per chunk: the rows through tensor views (what join did before issue 14's fix)."""
+    """Per part, per chunk: the rows through tensor views (what join did before it copied whole runs)."""
     out = torch.empty(payload_nbytes(layout, num_tokens), dtype=torch.uint8)
     dst = decode_payload(out, layout, num_tokens)
     srcs = [decode_payload(r.payload, layout, r.entry.num_tokens) for r in results]

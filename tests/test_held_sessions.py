@@ -1,4 +1,4 @@
-"""Held sessions (issue 9): the sidecar holds a session's KV in its own tiers, follows every
+"""Held sessions: the sidecar holds a session's KV in its own tiers, follows every
 committed plan, and serves the current layout with FetchSession, each row rotated ONCE from its
 canonical source-position copy (never chained).
 
@@ -23,8 +23,8 @@ from sidecar.client import FetchedRun, SyncSidecarClient
 from sidecar.config import AuthConfig, DirectivesConfig
 from sidecar.directives import (
     Directive,
+    EditMode,
     HeldKV,
-    Mode,
     OpKind,
     SessionId,
     SessionMirror,
@@ -35,7 +35,7 @@ from sidecar.directives.held import forget_start
 from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.rotation import RopeSpec, rotate_keys
-from sidecar.server import ServerThread
+from sidecar.app import ServerThread
 from sidecar.tiers import decode_payload, encode_payload
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
@@ -495,7 +495,7 @@ def test_forget_drops_the_canonical_copies_from_its_start_on(client, held):
     sid, toks, identity, kv = held
     n = len(toks)
     old_chunks = client.fetch_session(sid, layout=LAYOUT, rope=SPEC)
-    plan = client.splice(sid, 0, [(70, 75, [9, 9], Mode.FORGET)])
+    plan = client.splice(sid, 0, [(70, 75, [9, 9], EditMode.FORGET)])
     client.commit_splice(plan.plan_id)
     n1 = n - 3
     with pytest.raises(FailedPrecondition, match=rf"{n1 - 70} of the {n1} positions .* first is position 70; .*"
@@ -596,7 +596,7 @@ def test_held_references_follow_tokens_through_plans(seed):
             k = int(rng.integers(0, 5))
             if s == e and k == 0:
                 k = 1
-            mode = Mode.FORGET if rng.random() < 0.2 else Mode.AMORTIZE
+            mode = EditMode.FORGET if rng.random() < 0.2 else EditMode.AMORTIZE
             directives.append(Directive(start=int(s), end=int(e), mode=mode,
                                         replacement=np.arange(fresh_id, fresh_id + k, dtype=np.uint32)))
             fresh_id += k
@@ -615,7 +615,7 @@ def test_held_references_follow_tokens_through_plans(seed):
         assert not new.backed[prefilled].any()
         fa = forget_start(plan)
         if fa is not None:  # forgotten: only an exact copy may back them again
-            assert any(e.mode is Mode.FORGET for e in plan.edits)
+            assert any(e.mode is EditMode.FORGET for e in plan.edits)
             assert new.exact[fa:].all() and not new.backed[fa:].any()
         else:
             assert np.array_equal(new.exact[kept], held.exact[src[kept]]) and not new.exact[~kept].any()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from sidecar.metrics import _SEGMENT_BUCKETS, BatchHistogram
+from sidecar.server.metrics import _SEGMENT_BUCKETS, BatchHistogram
 
 
 def _exposition(registry: CollectorRegistry) -> bytes:

@@ -14,8 +14,8 @@ import pytest
 
 from bench.tokenizer import ChatTemplate
 from bench.workloads.traces import TruncateOldToolOutputs as BenchTruncate
-from sidecar.directives import Mode, SessionId, SessionMirror, apply_edits, plan_splice, validate_directives
-from sidecar.policy import (
+from sidecar.directives import EditMode, SessionId, SessionMirror, apply_edits, plan_splice, validate_directives
+from sidecar.sdk.policy import (
     EditPolicy,
     Policy,
     TemplateNotIncremental,
@@ -75,7 +75,7 @@ def test_truncated_old_tool_output(tpl):
     (s, e, r), = spans(diff)
     # inside message 3's block, past its role header and the kept head of the content
     assert blocks.starts[3] + 4 < s < e <= blocks.starts[4] and 0 < r < e - s
-    assert all(x.mode is Mode.AMORTIZE for x in diff.directives)
+    assert all(x.mode is EditMode.AMORTIZE for x in diff.directives)
 
 
 def test_dropped_tool_call(tpl):
@@ -95,7 +95,7 @@ def test_edited_user_message_with_forget_mode(tpl):
                     for i, m in enumerate(messages)]
 
         def mode_for(self, old, new):
-            return Mode.FORGET if old is not None and old.get("role") == "user" else Mode.AMORTIZE
+            return EditMode.FORGET if old is not None and old.get("role") == "user" else EditMode.AMORTIZE
 
     old = conversation()
     new, diff = edit_turn(ScrubUsers(), old, 4, tpl)
@@ -103,7 +103,7 @@ def test_edited_user_message_with_forget_mode(tpl):
     blocks = render_blocks(tpl, old)
     (s, e, _), = spans(diff)
     assert blocks.starts[1] < s and e <= blocks.starts[2]
-    assert [x.mode for x in diff.directives] == [Mode.FORGET]
+    assert [x.mode for x in diff.directives] == [EditMode.FORGET]
     assert isinstance(ScrubUsers(), Policy)
 
 
@@ -111,7 +111,7 @@ def test_inserted_and_appended_messages(tpl):
     old = conversation()
     note = {"role": "user", "content": "Note: use clang."}
     new = old[:2] + [note] + old[2:] + [{"role": "assistant", "content": "Done."}]
-    diff = diff_directives(old, new, tpl, mode_for=Mode.AMORTIZE)
+    diff = diff_directives(old, new, tpl, mode_for=EditMode.AMORTIZE)
     check(diff, tpl, old, new)
     blocks = render_blocks(tpl, old)
     (s0, e0, r0), (s1, e1, r1) = spans(diff)
@@ -143,7 +143,7 @@ def test_truncation_policy_output():
     assert pol.transform(out, 6) == out, "idempotent"
     bench = BenchTruncate(keep_turns=1, head=10, tail=12)
     assert bench.transform(msgs, 5) == out
-    assert pol.mode_for(msgs[3], out[3]) is Mode.AMORTIZE
+    assert pol.mode_for(msgs[3], out[3]) is EditMode.AMORTIZE
     # message 3 is followed by 3 assistant turns: cut with keep_turns=3, intact with 4
     assert TruncateOldToolOutputs(keep_turns=3, head=10, tail=12).transform(msgs, 5)[3] == out[3]
     assert TruncateOldToolOutputs(keep_turns=4, head=10, tail=12).transform(msgs, 5) == msgs
@@ -173,7 +173,7 @@ def test_renderer_without_generation_prompt(tpl):
 
 
 def test_tokenizer_renderer_matches_the_template():
-    from sidecar.policy import TokenizerRenderer
+    from sidecar.sdk.policy import TokenizerRenderer
 
     try:
         from clients.transformers import load_tokenizer

@@ -1,5 +1,5 @@
 """Registry entries change only through registry methods, so its byte count stays the sum of
-its entries' (issue 13: a chunk registered without KV at one position, then Stored with KV at
+its entries' (a regression: a chunk registered without KV at one position, then Stored with KV at
 another, left ``nbytes`` short by the grown left context)."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from sidecar.client import SidecarClient
-from sidecar.registry.registry import ChunkEntry, ChunkHash, EntryState, InMemoryRegistry, RegistryConfig
+from sidecar.registry.entry import ChunkEntry, ChunkHash, EntryState
+from sidecar.registry.registry import InMemoryRegistry, RegistryConfig
 from tests.conftest import ANCHORS, message
 from tests.test_dataplane import IDENT, LAYOUT, payloads_for, start
 

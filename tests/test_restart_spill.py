@@ -1,4 +1,4 @@
-"""A graceful stop moves what only the memory tiers hold to the disk tier (issue 13): after a
+"""A graceful stop moves what only the memory tiers hold to the disk tier: after a
 restart on the same disk every acknowledged chunk is served with its exact bytes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from sidecar.client import SidecarClient
 from sidecar.identity import CacheIdentity, KVLayout
-from sidecar.server import create_server
+from sidecar.app import create_server
 from sidecar.tiers import StoreConfig
 from tests.conftest import ANCHORS, make_config, message
 

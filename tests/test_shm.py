@@ -13,15 +13,15 @@ import grpc
 import numpy as np
 import pytest
 
+from sidecar.api.kv import identity_to_wire, layout_to_wire, rope_to_wire
 from sidecar.client import SidecarClient, SyncSidecarClient
 from sidecar.config import AuthConfig
-from sidecar.registry.plan import FetchSpec
-from sidecar.server import ServerThread, create_server
+from sidecar.registry.lookup_plan import FetchSpec
+from sidecar.app import ServerThread, create_server
 from sidecar.shm import HEADER_BYTES, MAGIC, SHM_DIR, Segment, SegmentPool, ShmWriter, local_peer, local_target
 from sidecar.tiers import StoreConfig
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
-from sidecar.wire import identity_to_wire, layout_to_wire, rope_to_wire
 from tests.conftest import make_config
 from tests.test_dataplane import IDENT, LAYOUT, SPEC, MiB, check_rotated, conversation, message, payloads_for, store_all
 

@@ -19,7 +19,7 @@ from sidecar.client import SidecarClient, SyncSidecarClient
 from sidecar.config import DirectivesConfig, load_config
 from sidecar.directives import (
     Directive,
-    Mode,
+    EditMode,
     OpKind,
     OpPlan,
     SessionConfig,
@@ -38,7 +38,7 @@ from sidecar.errors import (
     ResourceExhausted,
     status_for,
 )
-from sidecar.server import ServerThread, SidecarServer, create_server
+from sidecar.app import ServerThread, SidecarServer, create_server
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 from tests.conftest import make_config
@@ -134,7 +134,7 @@ async def test_plans_equal_the_in_process_planner(serve, block_size):
 
         turns = [
             [(3, 9, [7, 8]), Directive(start=40, end=40, replacement=np.array([1, 2, 3], np.uint32)), (100, 131, [])],
-            [(10, 12, [9] * 5, "amortize"), (150, 151, [4], Mode.FORGET)],
+            [(10, 12, [9] * 5, "amortize"), (150, 151, [4], EditMode.FORGET)],
             [(0, 1, [])],  # everything downstream was rotated once: REFRESH (refresh_after=1)
         ]
         for version, directives in enumerate(turns):
@@ -142,7 +142,7 @@ async def test_plans_equal_the_in_process_planner(serve, block_size):
             want = plan_splice(
                 local,
                 [d if isinstance(d, Directive) else Directive(start=d[0], end=d[1], replacement=d[2],
-                                                              mode=Mode(d[3]) if len(d) > 3 else Mode.AMORTIZE)
+                                                              mode=EditMode(d[3]) if len(d) > 3 else EditMode.AMORTIZE)
                  for d in directives],
                 refresh_after=1,
                 plan_id=plan.plan_id,
@@ -200,7 +200,7 @@ def test_sync_client():
 
 
 def test_client_side_directive_checks():
-    from sidecar.wire_directives import directives_to_wire
+    from sidecar.api.sessions import directives_to_wire
 
     cases = [
         ([(-1, 2, [])], "directives[0].start"),
@@ -455,8 +455,8 @@ async def test_forget_tenants_force_forget(serve):
     async with SidecarClient(target, tenant="bank") as bank, SidecarClient(target, tenant="shop") as shop:
         forced = await bank.splice((await bank.open_session(toks(64), block_size=1)).session_id, 0, directives)
         normal = await shop.splice((await shop.open_session(toks(64), block_size=1)).session_id, 0, directives)
-    assert all(e.mode is Mode.FORGET for e in forced.edits)
-    assert all(e.mode is Mode.AMORTIZE for e in normal.edits)
+    assert all(e.mode is EditMode.FORGET for e in forced.edits)
+    assert all(e.mode is EditMode.AMORTIZE for e in normal.edits)
     # Forget: everything from the first edit's start is re-prefilled from the edited text.
     (prefill,) = forced.ops_of(OpKind.PREFILL)
     assert prefill.positions.tolist() == list(range(10, 65))

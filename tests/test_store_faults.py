@@ -1,4 +1,4 @@
-"""A Store that is cancelled or fails part-way changes nothing (issue 13): no registry entry, no
+"""A Store that is cancelled or fails part-way changes nothing: no registry entry, no
 object in the tiers, the tenant's byte quota as before; and Store checks every payload part as
 it arrives (chunk boundary, size) and bounds what it buffers by what the header allows."""
 
@@ -10,10 +10,10 @@ import grpc
 import numpy as np
 import pytest
 
-from sidecar.server import create_server
+from sidecar.app import create_server
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
-from sidecar.wire import identity_to_wire, layout_to_wire
+from sidecar.api.kv import identity_to_wire, layout_to_wire
 from tests.claims.helpers import BLOCK, IDENT, LAYOUT, blocks, config
 
 PER_CHUNK = LAYOUT.bytes_per_token * BLOCK  # 4 KiB

@@ -1,4 +1,4 @@
-"""Tier deletes that follow registry evictions run off the event loop (issue 13:
+"""Tier deletes that follow registry evictions run off the event loop (a regression:
 ``DataPlane.sync`` called ``TieredStore.delete``, which waits for the writer lock held across
 disk and Redis I/O, on the loop thread: every RPC stalled behind one slow disk write)."""
 
@@ -10,7 +10,7 @@ import threading
 
 from sidecar.client import SidecarClient
 from sidecar.registry.registry import RegistryConfig
-from sidecar.server import create_server
+from sidecar.app import create_server
 from tests.claims.helpers import IDENT, blocks, config, store
 
 

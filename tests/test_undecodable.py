@@ -1,5 +1,5 @@
 """Request bytes that are not valid protobuf: INVALID_ARGUMENT naming the message type, no ERROR
-log record, nothing changed (issue 13). Raw bytes go over real gRPC (no client-side encoding)."""
+log record, nothing changed. Raw bytes go over real gRPC (no client-side encoding)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from sidecar.client import SidecarClient
 from sidecar.v1 import sidecar_pb2 as pb
-from sidecar.wire import identity_to_wire
+from sidecar.api.kv import identity_to_wire
 from tests.conftest import ANCHORS, message
 
 SERVICE = "/sidecar.v1.KVSidecar/"
@@ -23,7 +23,7 @@ GARBAGE = [
 
 
 def _truncated_lookup(identity) -> bytes:
-    from sidecar.wire import identity_to_wire
+    from sidecar.api.kv import identity_to_wire
 
     tokens = np.arange(64, dtype="<u4").tobytes()
     full = pb.LookupRequest(tokens=tokens, identity=identity_to_wire(identity)).SerializeToString()

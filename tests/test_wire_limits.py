@@ -1,6 +1,6 @@
 """Every string and repeated field of a request is bounded (``wire.max_string_bytes``,
 ``wire.max_repeated``) and refused with INVALID_ARGUMENT naming the field, before any handler
-runs; the identity cache is LRU and keeps no large strings (issue 13)."""
+runs; the identity cache is LRU and keeps no large strings."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import grpc
 import pytest
 
 from sidecar.config import WireConfig
-from sidecar.server import create_server
+from sidecar.app import create_server
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
-from sidecar.wire import IdentityCache, RequestLimits
+from sidecar.api.kv import IdentityCache, RequestLimits
 from tests.conftest import make_config
 
 LONG = "m" * 5000  # past the default 4,096 bytes
@@ -66,7 +66,7 @@ async def test_oversized_fields_refused_naming_the_field(served, method, req, fi
         assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert ei.value.details().startswith(f"{field}: "), ei.value.details()
         assert words in ei.value.details()
-        assert len(server.servicer.identities) == 0  # nothing reached a handler
+        assert len(server.edge.identities) == 0  # nothing reached a handler
         assert not [r for r in caplog.records if r.levelname == "ERROR"]
         await stub.Ping(pb.PingRequest())
 
@@ -80,7 +80,7 @@ async def test_store_header_strings_are_bounded(served):
             await stub.Store(iter(msgs))
         assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert ei.value.details().startswith("header.identity.weights_hash: "), ei.value.details()
-        assert len(server.index.registry) == 0 and len(server.servicer.identities) == 0
+        assert len(server.index.registry) == 0 and len(server.edge.identities) == 0
         # within the limits: served
         ok = [pb.StoreRequest(header=pb.StoreHeader(tokens=TOK, identity=ident(weights_hash="w" * 4096)))]
         assert (await stub.Store(iter(ok))).chunks_total >= 1

@@ -2,7 +2,7 @@
 
 ``synthetic``: Irminsul's patterns (agent_meta, sysvar, rerank, compact, tool_variants) plus
 message-edit replay, built on real agent text. ``traces``: the recorded agent runs in
-../shared/data/agent_traces replayed call by call, as recorded or through a history policy.
+bench/data/agent_traces replayed call by call, as recorded or through a history policy.
 """
 
 from bench.workloads.pool import TextPool

@@ -1,4 +1,4 @@
-"""A HiCache L3 storage backend whose pages live in the sidecar's tiers (issue 10, item 2).
+"""A HiCache L3 storage backend whose pages live in the sidecar's tiers.
 
 Selected through SGLang's own dynamic factory (``StorageBackendFactory``)::
 
@@ -54,10 +54,11 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from sidecar.client import SyncSidecarClient, _lookup_request, _store_messages, RetryPolicy
+from sidecar.api.kv import lookup_plan_from_wire, lookup_request, store_messages
+from sidecar.client import RetryPolicy, SyncSidecarClient
 from sidecar.identity import CacheIdentity, KVLayout, KVPart
-from sidecar.registry.plan import SegmentKind
-from sidecar.wire import plan_from_wire
+from sidecar.registry.lookup_plan import SegmentKind
+from sidecar.sdk.kit import as_byte_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -181,15 +182,15 @@ class SidecarHiCacheStorage(HiCacheStorage):
         """Chunk hash of each key's page if the sidecar holds its KV, else None (concurrent
         Lookups; any failure is a miss)."""
         ident, _ = self._ident(page_bytes)
-        stub, md = self.client._stub, self.client._metadata  # the SDK's sync stub: concurrent futures
+        stub, md = self.client.stub, self.client.metadata  # the SDK's sync stub: concurrent futures
         futs = []
         for k in keys:
-            req = _lookup_request(page_name(k), ident, 0, "exact")
+            req = lookup_request(page_name(k), ident, 0, "exact")
             futs.append(stub.Lookup.future(req, metadata=md, timeout=self.timeout_s))
         out: list[Optional[int]] = []
         for k, f in zip(keys, futs):
             try:
-                plan = plan_from_wire(f.result())
+                plan = lookup_plan_from_wire(f.result())
             except Exception as exc:  # noqa: BLE001 - grpc.RpcError and anything else: a miss
                 self._warn("lookup", exc)
                 out.append(None)
@@ -235,7 +236,7 @@ class SidecarHiCacheStorage(HiCacheStorage):
         return out
 
     def _store_many(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
-        stub, md = self.client._stub, self.client._metadata  # the SDK's sync stub: concurrent futures
+        stub, md = self.client.stub, self.client.metadata  # the SDK's sync stub: concurrent futures
         futs = []
         for k, page in zip(keys, pages):
             try:
@@ -244,7 +245,7 @@ class SidecarHiCacheStorage(HiCacheStorage):
                 if self._page_bytes is None:
                     self._page_bytes = nbytes
                 ident, layout = self._ident(nbytes)
-                msgs = _store_messages(page_name(k), ident, 0, self.shared, layout, {0: view})
+                msgs = store_messages(page_name(k), ident, 0, self.shared, layout, {0: view})
                 futs.append((k, nbytes, stub.Store.future(iter(msgs), metadata=md, timeout=self.timeout_s)))
             except Exception as exc:  # noqa: BLE001
                 self._warn("store", exc)
@@ -292,14 +293,14 @@ class SidecarHiCacheStorage(HiCacheStorage):
                 for i, data in zip(idx, datas):
                     if data is None:
                         continue
-                    src = torch.frombuffer(data, dtype=torch.uint8)
+                    src = as_byte_tensor(data)
                     t = targets[i]
                     if t is None:
                         pool = getattr(self, "mem_pool_host", None)
                         dtype = getattr(pool, "dtype", torch.uint8)
                         out[i] = src.view(dtype) if pb % torch.empty((), dtype=dtype).element_size() == 0 else src
                     else:
-                        _as_target_bytes(t).copy_(src)
+                        as_byte_tensor(t, field="target_location").copy_(src)
                         out[i] = t
             for r in out:
                 self.stats["get_hit" if r is not None else "get_miss"] += 1
@@ -365,7 +366,7 @@ class SidecarHiCacheStorage(HiCacheStorage):
                 ok.append(False)
                 continue
             # a tensor over the received buffer (no copy), written into the pool in place
-            host_pool.set_from_flat_data_page(start, torch.frombuffer(data, dtype=torch.uint8).view(probe.dtype))
+            host_pool.set_from_flat_data_page(start, as_byte_tensor(data).view(probe.dtype))
             ok.append(True)
         for g in ok:
             self.stats["get_hit" if g else "get_miss"] += 1
@@ -481,12 +482,6 @@ class SidecarHiCacheStorage(HiCacheStorage):
             self.client.close()
         except Exception:  # noqa: BLE001
             pass
-
-
-def _as_target_bytes(t: torch.Tensor) -> torch.Tensor:
-    if not t.is_contiguous():
-        raise ValueError("target_location must be contiguous")
-    return t.view(-1).view(torch.uint8)
 
 
 __all__ = ["SidecarHiCacheStorage", "page_layout", "page_name", "shard_suffix", "PAGE_NAME_TOKENS"]

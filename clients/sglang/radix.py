@@ -1,5 +1,5 @@
 """Radix-cache backend plug-in: SGLang's RadixCache plus the sidecar's position-independent hits
-and Splice plans, at token granularity (issue 10, item 2; docs/sglang.md).
+and Splice plans, at token granularity (docs/sglang.md).
 
 Registered through SGLang's own mechanism: ``register()`` calls
 ``sglang.srt.mem_cache.registry.register_radix_cache_backend("kv_sidecar", factory)``; expose it
@@ -50,10 +50,11 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sidecar.client import SyncSidecarClient
 from sidecar.directives import OpPlan
-from sidecar.directives.plan import OpKind
+from sidecar.directives.op_plan import OpKind
 from sidecar.identity import CacheIdentity, KVLayout
-from sidecar.registry.plan import LookupPlan, Segment, SegmentKind
+from sidecar.registry.lookup_plan import LookupPlan, Segment, SegmentKind
 from sidecar.rotation import Pairing, RopeSpec, RotaryLayout, rotate_slots_
+from sidecar.sdk.kit import load_item, load_run, stacked_payload, stacked_view
 
 logger = logging.getLogger(__name__)
 
@@ -164,12 +165,9 @@ class SidecarRadixCache(RadixCache):
         plan = self._lookup(tokens, device_len) if device_len < len(tokens) else None
         if plan is None:
             return _with_hits(base, base.host_hit_length, None)
-        run, pos = 0, device_len
-        for seg in plan.hits():
-            if seg.start != pos:
-                break
-            run += len(seg)
-            pos = seg.end
+        # the hits contiguous with the device prefix (token-granular: no block cut; not capped
+        # at n - 1: the caller's key is what may be matched)
+        run = load_run(plan, local=device_len, n=len(tokens), bridge_recompute=False, compute_last=False).tokens
         req = params.req
         if req is not None and run:
             handle = getattr(req, "cache_request_handle", None) or id(req)
@@ -184,18 +182,17 @@ class SidecarRadixCache(RadixCache):
         if not hits or self.client is None or self.kv_pool is None:
             return LoadedHits(empty, empty, list(hits))
         try:
-            got = self.client.fetch([(s.chunk_hash, s.start - s.chunk_offset) for s in hits], identity=self.identity,
-                                    layout=self.layout, rope=self.rope)
+            items = [load_item(s) for s in hits]
+            got = self.client.fetch([it.fetch_item for it in items], identity=self.identity, layout=self.layout,
+                                    rope=self.rope)
         except Exception as exc:  # noqa: BLE001
             logger.warning("kv-sidecar fetch failed (%s: %s); prefilling instead", type(exc).__name__, exc)
             return LoadedHits(empty, empty, list(hits))
         positions, slots, missed = [], [], []
         k_bufs, v_bufs = self.kv_pool.k_buffer, self.kv_pool.v_buffer
-        nl, h, d = len(k_bufs), k_bufs[0].shape[1], k_bufs[0].shape[2]
-        dtype = k_bufs[0].dtype
-        for seg, kv in zip(hits, got):
-            n = len(seg)
-            if not kv.ok or kv.num_tokens < seg.chunk_offset + n:
+        for seg, it, kv in zip(hits, items, got):
+            n = len(it)
+            if not kv.ok or kv.num_tokens < it.row + n:
                 missed.append(seg)
                 continue
             if self.token_to_kv_pool_allocator.available_size() < n:
@@ -204,13 +201,13 @@ class SidecarRadixCache(RadixCache):
             if s is None:
                 missed.append(seg)
                 continue
-            data = torch.frombuffer(kv.data, dtype=dtype).view(nl, 2, kv.num_tokens, h, d)
-            rows = slice(seg.chunk_offset, seg.chunk_offset + n)
+            data = stacked_view(kv.data, self.layout, kv.num_tokens)  # [L, 2, n, H, D]
+            rows = slice(it.row, it.row + n)
             dev = s.to(k_bufs[0].device)
-            for layer in range(nl):
+            for layer in range(len(k_bufs)):
                 k_bufs[layer][dev] = data[layer, 0, rows].to(k_bufs[layer].device)
                 v_bufs[layer][dev] = data[layer, 1, rows].to(v_bufs[layer].device)
-            positions.append(torch.arange(seg.start, seg.end, dtype=torch.int64))
+            positions.append(torch.arange(it.start, it.end, dtype=torch.int64))
             slots.append(s.to(torch.int64).cpu())
         pos = torch.cat(positions) if positions else empty
         sl = torch.cat(slots) if slots else empty
@@ -274,7 +271,7 @@ class SidecarRadixCache(RadixCache):
                 parts = []
                 for layer in range(len(k_bufs)):
                     parts += [k_bufs[layer][idx].cpu(), v_bufs[layer][idx].cpu()]
-                payloads[int(a)] = torch.stack(parts).contiguous()
+                payloads[int(a)] = stacked_payload(torch.stack(parts))  # [2 * L, n, H, D]
             res = self.client.store(toks, identity=self.identity, layout=self.layout, payloads=payloads)
             return res.chunks_stored + res.chunks_refreshed
         except Exception as exc:  # noqa: BLE001

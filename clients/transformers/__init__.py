@@ -1,4 +1,4 @@
-"""Reference engine on Hugging Face transformers (issue 5).
+"""Reference engine on Hugging Face transformers.
 
     from clients.transformers import Engine, ReusePolicy, Sampling, build_model, llama_config
     model = build_model(llama_config(num_layers=4, hidden_size=512))

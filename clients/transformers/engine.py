@@ -38,9 +38,9 @@ import torch
 from sidecar.client import FetchedKV, SyncSidecarClient
 from sidecar.identity import CacheIdentity
 from sidecar.registry.anchors import anchor_token_ids
-from sidecar.registry.plan import FetchSpec, Fidelity, LookupPlan, Segment, SegmentKind
+from sidecar.registry.lookup_plan import Fidelity, LookupPlan, Segment, SegmentKind
 from sidecar.rotation import RopeSpec
-from sidecar.v1 import sidecar_pb2 as pb
+from sidecar.sdk.kit import store_chunks
 
 from clients.transformers.attention import MIN_ROWS, NAME as INVARIANT_ATTENTION
 from clients.transformers.cache import SequenceCache
@@ -407,7 +407,7 @@ class Engine:
                 self.sidecar.report_pool(usable_blocks=adm.pool_blocks, free_blocks=adm.pool_blocks,
                                          block_size=adm.block_size, hard_protection=True, engine_id="transformers")
             resp = self.sidecar.admit_active(rid, blocks)
-            decision = pb.AdmitDecision.Name(resp.decision).removeprefix("ADMIT_DECISION_").lower()
+            decision = resp.decision.value  # sidecar.claims.Admit: "admitted" | "deferred" | "refused"
             if decision == "admitted":
                 return
             if decision == "deferred" and deferrals < adm.max_deferrals:
@@ -447,9 +447,10 @@ class Engine:
         fetched: list[FetchedKV] = []
         if hits:
             t0 = clock()
-            # One Fetch item per hit segment (a span of chunks, rows in position order).
+            # One Fetch item per hit segment (a span of chunks, rows in position order); hits are
+            # all of the plan's (``min_fetch_tokens`` keeps all or none).
             fetched = self.sidecar.fetch(
-                _spans(hits), identity=self.identity,
+                plan.fetch_spans(), identity=self.identity,
                 layout=self.layout, rope=self.rope, raw=reuse.rotation is not Rotation.SERVER,
             )
             tm.fetch_s = clock() - t0
@@ -516,22 +517,17 @@ class Engine:
     def _store(
         self, tokens: np.ndarray, plan: LookupPlan, steps: list[Step], cache: SequenceCache, shared: bool = False
     ) -> int:
-        bounds = plan.chunk_bounds.tolist()
-        if len(bounds) < 2:
-            return 0
+        # not the chunks holding shifted KV (an approximation, never stored as canonical), nor
+        # those the sidecar already serves whole (the hits this request loaded)
         approx = [(s.start, s.end) for s in steps if s.kind == "hit" and s.fidelity is not Fidelity.EXACT]
         served = [(s.start, s.end) for s in steps if s.kind == "hit"]
-        payloads: dict[int, torch.Tensor] = {}
-        for a, b in zip(bounds, bounds[1:]):
-            if any(s < b and a < e for s, e in approx):
-                continue  # holds shifted KV: an approximation, never stored as canonical
-            if any(s <= a and b <= e for s, e in served):
-                continue  # the sidecar already serves this whole chunk
-            payloads[a] = self.adapter.payload(cache, a, b)
-        if not payloads:
+        chunks = store_chunks(plan, n=len(tokens), approximate=approx, served=served)
+        if not chunks:
             return 0
+        payloads = {a: self.adapter.payload(cache, a, b) for a, b in chunks}
         res = self.sidecar.store(
-            tokens, identity=self.identity, layout=self.layout, payloads=payloads, register_from=bounds[0],
+            tokens, identity=self.identity, layout=self.layout, payloads=payloads,
+            register_from=int(plan.chunk_bounds[0]),
             shared=shared,
         )
         return res.chunks_stored
@@ -575,22 +571,6 @@ class Engine:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-def _spans(hits: list[Segment]) -> list[FetchSpec]:
-    """One span Fetch item per hit segment: hit rows with contiguous positions and one delta
-    (``LookupPlan.fetch_spans`` over these rows)."""
-    out: list[FetchSpec] = []
-    group: list[Segment] = []
-    for s in [*hits, None]:
-        if s is None or (group and (s.start != group[-1].end or s.delta != group[-1].delta)):
-            g0 = group[0]
-            out.append(FetchSpec(g0.chunk_hash, g0.start, group[-1].end - g0.start, g0.chunk_offset,
-                                 tuple(x.chunk_hash for x in group[1:])))
-            group = []
-        if s is not None:
-            group.append(s)
-    return out
 
 
 def _schedule(segments: list[Segment], fetched: list[FetchedKV], n: int) -> list[Step]:

@@ -32,7 +32,7 @@ import torch
 
 from sidecar.identity import KVLayout, KVPart
 from sidecar.rotation import RopeSpec, RotaryLayout, rotate_keys
-from sidecar.tiers.codec import TORCH_DTYPES, KVPayloadView, as_byte_tensor, decode_payload, encode_payload
+from sidecar.sdk.kit import TORCH_DTYPES, KVPayloadView, decode_payload, encode_payload, is_stacked, stacked_view
 
 from clients.transformers.cache import SequenceCache
 
@@ -75,9 +75,7 @@ class KVAdapter:
         self._rotary = tuple(p.rotary for p in layout.parts)
         # Every part the same shape and dtype, none squeezed (GQA / MHA): a payload is then one
         # [layers * parts, n, heads, dim] tensor, written with one copy (``new_cache``, ``writer``).
-        first = layout.parts[0]
-        self._uniform = all(p.shape == first.shape and p.dtype == first.dtype for p in layout.parts) and not any(
-            s.squeeze for s in slots)
+        self._uniform = is_stacked(layout) and not any(s.squeeze for s in slots)
 
     def new_cache(self, capacity: int) -> SequenceCache:
         """An empty ``SequenceCache`` for this model with ``capacity`` positions preallocated."""
@@ -219,17 +217,14 @@ class KVAdapter:
                 buf = lay._kbuf if s.slot == "keys" else lay._vbuf
                 dst.append(buf[0].transpose(0, 1))  # [capacity, heads, dim]
         first = cache.layers[0]._kbuf
-        part = self.layout.parts[0]
-        dtype = TORCH_DTYPES[part.dtype]
+        layout = self.layout
         count = len(dst)
         slab = cache.slab
 
         def write(data: Any, num_tokens: int, offset: int, start: int, end: int) -> None:
             if cache.layers[0]._kbuf is not first:
                 raise RuntimeError("the cache was reallocated after its writer was made")
-            mv = memoryview(data)
-            raw = as_byte_tensor(mv, field="data") if mv.readonly else torch.frombuffer(mv.cast("B"), dtype=torch.uint8)
-            src = raw.view(dtype).view(count, num_tokens, *part.shape)
+            src = stacked_view(data, layout, num_tokens).flatten(0, 1)  # [layers * parts, n, heads, dim]
             n = end - start
             if slab is not None:  # [count, n, H, D] -> [count, 1, H, n, D]
                 slab.narrow(3, start, n).copy_(src.narrow(1, offset, n).unsqueeze(1).transpose(2, 3))

@@ -1,7 +1,7 @@
-"""Apply Splice op plans to the reference engine's cache (issue 9, ARCHITECTURE.md "The edit path").
+"""Apply Splice op plans to the reference engine's cache (ARCHITECTURE.md "The edit path").
 
 The sidecar mirrors the engine session with block size 1 (the engine is token-granular) and
-answers ``Splice`` with an ``OpPlan`` (``sidecar.directives.plan``). The engine's
+answers ``Splice`` with an ``OpPlan`` (``sidecar.directives.op_plan``). The engine's
 ``SequenceCache`` keeps cache index == position, so a plan's slot ids are translated: the
 session keeps, per cache index, the mirror slot that token lives in (``SessionMirror.layout
 .slots``; ``0..n-1`` for a freshly opened session), and every op is applied by position::

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar.directives import Directive, Mode
+from sidecar.directives import Directive, EditMode
 
 PARAM_SESSION = "sidecar_session"
 PARAM_VERSION = "sidecar_session_version"
@@ -52,7 +52,7 @@ class SessionRequest:
 
     @property
     def forget_from(self) -> int | None:
-        starts = [d.start for d in self.directives if d.mode is Mode.FORGET]
+        starts = [d.start for d in self.directives if d.mode is EditMode.FORGET]
         return min(starts) if starts else None
 
 
@@ -80,7 +80,7 @@ def parse(params: dict[str, Any] | None) -> SessionRequest | None:
             repl = d[2] if len(d) > 2 else []
             mode = d[3] if len(d) > 3 else "amortize"
         try:
-            m = Mode(str(mode).lower())
+            m = EditMode(str(mode).lower())
         except ValueError:
             raise ValueError(f"{PARAM_DIRECTIVES}[{i}].mode {mode!r}: expected 'amortize' or 'forget'") from None
         out.directives.append(Directive(start=start, end=end, replacement=np.asarray(repl, dtype=np.uint32), mode=m))

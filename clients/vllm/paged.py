@@ -10,7 +10,9 @@ cache-write kernel (``cpu_attn_reshape_and_cache``) into a scratch block and rea
 each (token, head, dim) of K and V landed. Copies then use those offsets; the common ``vec``
 layout gets a strided fast path.
 
-Sidecar payloads are ``KVLayout.gqa`` order: per layer, K ``[n, H, D]`` then V ``[n, H, D]``.
+Sidecar payloads are ``KVLayout.gqa`` order: per layer, K ``[n, H, D]`` then V ``[n, H, D]``
+(read and written as ``[L, 2, n, H, D]`` with ``sidecar.api.payload.stacked_view`` /
+``stacked_payload``).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
+
 
 @contextmanager
 def single_threaded() -> Iterator[None]:
@@ -193,17 +195,3 @@ class PagedKV:
         for li in range(self.num_layers):
             self._flat[li][b3, kidx] = rows_kv[li, 0]
             self._flat[li][b3, vidx] = rows_kv[li, 1]
-
-
-def payload_view(data: bytes | bytearray | memoryview, num_layers: int, n: int, heads: int, head_size: int,
-                 dtype: torch.dtype) -> torch.Tensor:
-    """A fetched payload as ``[L, 2, n, H, D]`` (no copy; read-only if ``data`` is)."""
-    buf = np.frombuffer(data, dtype=np.uint8)
-    t = torch.from_numpy(buf.copy() if not buf.flags.writeable else buf)
-    return t.view(dtype).view(num_layers, 2, n, heads, head_size)
-
-
-def payload_bytes(rows: torch.Tensor) -> memoryview:
-    """``[L, 2, n, H, D]`` rows as payload bytes (layer-major, K then V, each [n, H, D])."""
-    t = rows.contiguous()
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")

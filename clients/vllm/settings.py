@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sidecar.rotation import RopeSpec
+    from sidecar.sdk.kit import FailSoftLink
 
 import xxhash
 
@@ -37,6 +38,11 @@ from sidecar.identity import CacheIdentity, KVLayout
 
 log = logging.getLogger("clients.vllm")
 
+#: Per-request ``kv_transfer_params`` keys (span directives: ``directives.py``): the tenant
+#: header for this request's calls, and the flag on the connector's own gap-fill sub-requests.
+PARAM_TENANT = "sidecar_tenant"
+PARAM_GAP_FILL = "sidecar_gap_fill"
+
 _SAMPLE = 1 << 20
 _TORCH_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
 
@@ -47,17 +53,17 @@ class Settings:
 
     sidecar: "host:port" of the sidecar. tenant: default tenant (``x-tenant-id``); a request's
     ``kv_transfer_params["sidecar_tenant"]`` overrides it. token: bearer token. timeout_s: per
-    RPC. min_hit_tokens: claim nothing shorter. policy / recompute_tokens /
+    RPC. min_hit_tokens: load nothing shorter. policy / recompute_tokens /
     left_context_window: the Lookup's admission (None: the sidecar's defaults).
     bridge_recompute: serve the recompute guard's few tokens from the chunk instead of ending
-    the claim there (see ``claim.py``). store: "async" (default; Store on a background thread
+    the loadable run there (``sidecar.sdk.kit.runs``). store: "async" (default; Store on a background thread
     after the prefill step), "sync", or "off". gap_fill / max_gap_fills / min_gap_run:
-    the scheduler plug-in's gap-fill sub-requests (``scheduler.py``). retry_after_s: after a
+    the gap-fill sub-requests (``gap_fill.py``). retry_after_s: after a
     failed call, skip the sidecar this long (requests are prefilled meanwhile).
     tls / root_ca / client_cert / client_key: TLS to the sidecar (PEM file paths; a client
     certificate for mTLS; docs/operations.md, "TLS and mTLS").
     admission / admit_min_tokens / admit_retry_s / admit_max_wait_s / engine_id: resident-claim
-    arbitration (``admission.py``): report the pool and ask ``AdmitActive`` before a prefill of
+    arbitration (``admit_gate.py``): report the pool and ask ``AdmitActive`` before a prefill of
     at least ``admit_min_tokens``; hold deferred or refused requests, re-asking at most every
     ``admit_retry_s``, at most ``admit_max_wait_s``.
     """
@@ -105,6 +111,23 @@ class Settings:
         if s.store not in ("async", "sync", "off"):
             raise ValueError('kv_connector_extra_config "store": one of "async", "sync", "off"')
         return s
+
+
+def sidecar_link(settings: Settings, role: str) -> "FailSoftLink":
+    """The fail-soft link of one connector role (``"scheduler"`` / ``"worker"``): a client per
+    tenant with these settings, one attempt per call (a failed call is a prefill, not a retry)."""
+    from sidecar.client import RetryPolicy, SyncSidecarClient
+    from sidecar.sdk.kit import FailSoftLink
+
+    s = settings
+
+    def connect(tenant: str | None) -> SyncSidecarClient:
+        return SyncSidecarClient(s.target, tenant=tenant, token=s.token, timeout_s=s.timeout_s,
+                                 retry=RetryPolicy(attempts=1), tls=s.tls, root_ca=s.root_ca,
+                                 client_cert=s.client_cert, client_key=s.client_key)
+
+    return FailSoftLink(connect, default_tenant=s.tenant, retry_after_s=s.retry_after_s, target=s.target, role=role,
+                        log=log)
 
 
 def _file_digest(path: Path, h: "xxhash.xxh64") -> None:

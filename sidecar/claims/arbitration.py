@@ -16,7 +16,7 @@ import enum
 import time
 from dataclasses import dataclass
 
-from sidecar.claims.model import CapacityProof, Claim, Mode
+from sidecar.claims.model import CapacityProof, Claim, ProtectionMode
 
 
 class Admit(enum.Enum):
@@ -48,7 +48,11 @@ class PoolReport:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Admission:
+class ActiveAdmission:
+    """The verdict on one active request against the protected residents (``arbitrate``):
+    ``decision``, the capacity ``proof``, the claims ``blocking`` it (REFUSED / DEFERRED), the
+    demotable claims to ``demote`` so it fits (ADMITTED), and a human-readable ``reason``."""
+
     decision: Admit
     proof: CapacityProof
     blocking: tuple[Claim, ...] = ()
@@ -59,10 +63,10 @@ class Admission:
 def protected_claims(claims, restorable) -> list[tuple[Claim, int]]:
     """Claims whose blocks the pool must keep: modes that hold the pool, plus offloadable claims
     whose predicate is NOT restorable from the sidecar's tiers (``restorable(claim)``)."""
-    return [c for c in claims if c.mode.holds_pool or (c.mode is Mode.OFFLOADABLE and not restorable(c))]
+    return [c for c in claims if c.mode.holds_pool or (c.mode is ProtectionMode.OFFLOADABLE and not restorable(c))]
 
 
-def arbitrate(pool: PoolReport, active_blocks: int, protected: list[Claim]) -> Admission:
+def arbitrate(pool: PoolReport, active_blocks: int, protected: list[Claim]) -> ActiveAdmission:
     bs = pool.block_size
     sized = [(c, c.blocks(bs)) for c in protected]
     resident = sum(b for _, b in sized)
@@ -70,7 +74,7 @@ def arbitrate(pool: PoolReport, active_blocks: int, protected: list[Claim]) -> A
     proof = CapacityProof(resident=resident, active=active_blocks, usable=usable, unit="blocks", free=free)
     if resident + active_blocks > usable:
         # Relax demotable claims, oldest first, if that alone makes the request fit.
-        demotable = sorted((x for x in sized if x[0].mode is Mode.DEMOTABLE), key=lambda x: x[0].seq)
+        demotable = sorted((x for x in sized if x[0].mode is ProtectionMode.DEMOTABLE), key=lambda x: x[0].seq)
         need = resident + active_blocks - usable
         chosen, freed = [], 0
         for c, b in demotable:
@@ -79,18 +83,18 @@ def arbitrate(pool: PoolReport, active_blocks: int, protected: list[Claim]) -> A
             chosen.append(c)
             freed += b
         if chosen and freed >= need and active_blocks <= free - (resident - freed):
-            return Admission(decision=Admit.ADMITTED, proof=proof, demote=tuple(chosen),
+            return ActiveAdmission(decision=Admit.ADMITTED, proof=proof, demote=tuple(chosen),
                              reason=f"demotable claims relaxed to fit: {proof.text()}")
         blocking = tuple(c for c, b in sized if b > 0)
-        return Admission(decision=Admit.REFUSED, proof=proof, blocking=blocking,
+        return ActiveAdmission(decision=Admit.REFUSED, proof=proof, blocking=blocking,
                          reason=f"infeasible_preserve_resident_and_active: {proof.text()}")
     if active_blocks > free - resident:
         short = active_blocks - (free - resident)
-        return Admission(
+        return ActiveAdmission(
             decision=Admit.DEFERRED, proof=proof, blocking=tuple(c for c, b in sized if b > 0),
             reason=f"fits the pool once running requests free {short} blocks (free {free}, protected {resident})",
         )
-    return Admission(decision=Admit.ADMITTED, proof=proof, reason="feasible")
+    return ActiveAdmission(decision=Admit.ADMITTED, proof=proof, reason="feasible")
 
 
 def report(usable: int, free: int, block_size: int, hard: bool, engine_id: str = "") -> PoolReport:

@@ -22,12 +22,22 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from sidecar.claims.arbitration import Admission, Admit, PoolReport, arbitrate, protected_claims
+from sidecar.claims.arbitration import ActiveAdmission, Admit, PoolReport, arbitrate, protected_claims
 from sidecar.claims.config import ClaimsConfig
 from sidecar.claims.events import EventLog
-from sidecar.claims.model import CapacityProof, Claim, ClaimId, Conformance, Decision, Mode, State, classify_lowering
+from sidecar.claims.model import (
+    CapacityProof,
+    Claim,
+    ClaimId,
+    Conformance,
+    Decision,
+    ProtectionMode,
+    State,
+    classify_lowering,
+)
 from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from sidecar.registry.registry import EntryState, InMemoryRegistry
+from sidecar.registry.entry import EntryState
+from sidecar.registry.registry import InMemoryRegistry
 from sidecar.tiers import CapacityError, Guard, Tier, chunk_key
 
 if TYPE_CHECKING:  # the store (torch, LMCache) is not imported by reading the config
@@ -93,7 +103,7 @@ class ClaimLedger:
     # ------------------------------------------------------------------ lifecycle
 
     def submit(
-        self, tenant: str, claim_id: str, mode: Mode, keys: tuple[int, ...], chunk_tokens: tuple[int, ...],
+        self, tenant: str, claim_id: str, mode: ProtectionMode, keys: tuple[int, ...], chunk_tokens: tuple[int, ...],
         min_tokens: int, footprint_blocks: int, duration_s: float | None,
     ) -> tuple[Decision, str, Claim]:
         """Decide on a claim (validated by the caller). Idempotent for an identical live claim."""
@@ -111,7 +121,7 @@ class ClaimLedger:
         duration = cfg.default_duration_s if duration_s is None else duration_s
         pool = self.pool
         if pool is not None and not pool.hard_protection and mode.holds_pool:
-            cls = classify_lowering(mode, Mode.SOFT_PRIORITY)
+            cls = classify_lowering(mode, ProtectionMode.SOFT_PRIORITY)
             if cls is Conformance.UNSOUND:
                 reason = (f"C1: the engine pool {pool.engine_id or ''} offers soft priority only; soft priority is not "
                           f"a sound lowering of {mode.value} (submit soft_priority or offloadable instead)")
@@ -152,7 +162,7 @@ class ClaimLedger:
         else:
             decision = Decision.CONDITIONALLY_ACCEPTED
             reason = f"{mode.value}: influences eviction order only, no preservation obligation" \
-                if mode is Mode.SOFT_PRIORITY else "best_effort: telemetry only, no preservation obligation"
+                if mode is ProtectionMode.SOFT_PRIORITY else "best_effort: telemetry only, no preservation obligation"
         c.reason = reason
         self._emit("claim_accepted", c, reason=reason)
         if c.materialized:
@@ -302,7 +312,7 @@ class ClaimLedger:
         live = [c for c in self._claims.values() if c.state.live]
         return protected_claims(live, lambda c: c.materialized)
 
-    def admit(self, tenant: str, request_id: str, active_blocks: int) -> Admission:
+    def admit(self, tenant: str, request_id: str, active_blocks: int) -> ActiveAdmission:
         self.expire_due()
         pool = self.pool
         if pool is None:
@@ -330,7 +340,7 @@ class ClaimLedger:
         if guarded + need <= cap:
             return
         holders = self._tier_holders(None)
-        for c in sorted((c for c in holders if c.mode is Mode.DEMOTABLE), key=lambda c: c.seq):
+        for c in sorted((c for c in holders if c.mode is ProtectionMode.DEMOTABLE), key=lambda c: c.seq):
             self._end(c, State.DEMOTED, "claim_demoted", f"relaxed for a Store of {need} bytes")
             room = self.store.room(need)
             if room is None or room[2] + need <= room[0]:
@@ -372,7 +382,7 @@ class ClaimLedger:
         if tier is None or not exc.guarded_bytes:
             return False
         holders = self._tier_holders(tier)
-        demotable = [c for c in holders if c.mode is Mode.DEMOTABLE]
+        demotable = [c for c in holders if c.mode is ProtectionMode.DEMOTABLE]
         for c in demotable:
             self._end(c, State.DEMOTED, "claim_demoted", f"relaxed for a Store in {tier.value}")
         if demotable:

@@ -22,7 +22,9 @@ from sidecar.tiers import Guard
 ClaimId = NewType("ClaimId", str)
 
 
-class Mode(enum.Enum):
+class ProtectionMode(enum.Enum):
+    """What the sidecar promises to keep of a claimed object (ARCHITECTURE.md, "Resident claims")."""
+
     SOFT_PRIORITY = "soft_priority"    # eviction order only (second chance); no obligation
     HARD_PROTECTED = "hard_protected"  # never evicted nor demoted; active work refused instead
     DEMOTABLE = "demotable"            # protected until the sidecar emits claim_demoted
@@ -37,21 +39,21 @@ class Mode(enum.Enum):
     @property
     def obligates(self) -> bool:
         """Whether losing the predicate without demotion/expiry first is harm."""
-        return self not in (Mode.SOFT_PRIORITY, Mode.BEST_EFFORT)
+        return self not in (ProtectionMode.SOFT_PRIORITY, ProtectionMode.BEST_EFFORT)
 
     @property
     def holds_pool(self) -> bool:
         """Whether the claim's blocks count as protected resident in the engine pool."""
-        return self in (Mode.HARD_PROTECTED, Mode.DEMOTABLE, Mode.EXPIRING)
+        return self in (ProtectionMode.HARD_PROTECTED, ProtectionMode.DEMOTABLE, ProtectionMode.EXPIRING)
 
 
 _GUARD = {
-    Mode.SOFT_PRIORITY: Guard.SOFT,
-    Mode.HARD_PROTECTED: Guard.HOLD,
-    Mode.DEMOTABLE: Guard.HOLD,
-    Mode.OFFLOADABLE: Guard.NO_DROP,
-    Mode.EXPIRING: Guard.HOLD,
-    Mode.BEST_EFFORT: Guard.NONE,
+    ProtectionMode.SOFT_PRIORITY: Guard.SOFT,
+    ProtectionMode.HARD_PROTECTED: Guard.HOLD,
+    ProtectionMode.DEMOTABLE: Guard.HOLD,
+    ProtectionMode.OFFLOADABLE: Guard.NO_DROP,
+    ProtectionMode.EXPIRING: Guard.HOLD,
+    ProtectionMode.BEST_EFFORT: Guard.NONE,
 }
 
 
@@ -85,15 +87,15 @@ class Conformance(enum.Enum):
     UNSOUND = "unsound"
 
 
-def classify_lowering(requested: Mode, capability: Mode) -> Conformance:
+def classify_lowering(requested: ProtectionMode, capability: ProtectionMode) -> Conformance:
     """C1: a soft priority is never a sound lowering of a protecting claim.
 
     ``capability`` is the strongest protection the backend offers (``HARD_PROTECTED`` for victim
     exclusion, ``SOFT_PRIORITY`` for ranking only). Soft priority itself, lowered to soft
     priority, is only approximate (it ranks victims, it promises nothing)."""
-    if capability is Mode.HARD_PROTECTED or requested is Mode.BEST_EFFORT:
+    if capability is ProtectionMode.HARD_PROTECTED or requested is ProtectionMode.BEST_EFFORT:
         return Conformance.SOUND
-    if requested is Mode.SOFT_PRIORITY:
+    if requested is ProtectionMode.SOFT_PRIORITY:
         return Conformance.APPROXIMATE
     return Conformance.UNSOUND
 
@@ -130,7 +132,7 @@ class Claim:
 
     claim_id: ClaimId
     tenant: str
-    mode: Mode
+    mode: ProtectionMode
     keys: tuple[int, ...]
     chunk_tokens: tuple[int, ...]
     min_tokens: int

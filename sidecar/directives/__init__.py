@@ -4,7 +4,7 @@ The pure domain core of Splice (ARCHITECTURE.md, "The edit path"): no gRPC, no I
 
 Public API:
 
-* ``Mode`` (AMORTIZE, FORGET) and ``Directive(start, end, replacement, mode)``: replace tokens
+* ``EditMode`` (AMORTIZE, FORGET) and ``Directive(start, end, replacement, mode)``: replace tokens
   ``[start, end)`` of the session's current sequence; ``Edit`` is a validated directive;
   ``validate_directives``, ``apply_edits`` (the reference definition of the edited sequence).
 * ``Layout``: tokens, slots, positions, per-slot rotation count and cumulative delta.
@@ -27,12 +27,12 @@ ResourceExhausted, InvariantViolation); the server maps them to statuses.
 """
 
 from sidecar.directives.allocator import BlockAllocator
-from sidecar.directives.directive import Directive, Edit, Mode, apply_edits, validate_directives
+from sidecar.directives.directive import Directive, Edit, EditMode, apply_edits, validate_directives
 from sidecar.directives.held import HeldKV, HeldRuns, HeldSpan, Resolver, kept_sources
 from sidecar.directives.invariants import check_plan
 from sidecar.directives.layout import Layout
 from sidecar.directives.mirror import SessionInfo, SessionMirror
-from sidecar.directives.plan import Op, OpKind, OpPlan, PlanId, PlanSummary, SessionId
+from sidecar.directives.op_plan import Op, OpKind, OpPlan, PlanId, PlanSummary, SessionId
 from sidecar.directives.planner import DEFAULT_REFRESH_AFTER, plan_splice
 from sidecar.directives.sessions import ExpiryReport, SessionConfig, SessionTable
 from sidecar.directives.simulator import ToyPool, apply_plan
@@ -42,12 +42,12 @@ __all__ = [
     "BlockAllocator",
     "Directive",
     "Edit",
+    "EditMode",
     "ExpiryReport",
     "HeldKV",
     "HeldRuns",
     "HeldSpan",
     "Layout",
-    "Mode",
     "Op",
     "OpKind",
     "OpPlan",

@@ -29,7 +29,7 @@ _EMPTY_TOKENS.flags.writeable = False
 _UINT32_LIMIT = 1 << 32
 
 
-class Mode(str, Enum):
+class EditMode(str, Enum):
     """What the cache must remember of an edited span (ARCHITECTURE.md, "The edit path")."""
 
     #: Keep downstream KV (V and latents untouched, rotary keys rotated): positional contract.
@@ -50,7 +50,7 @@ class Directive:
     start: int
     end: int
     replacement: np.ndarray | Sequence[int] = field(default_factory=lambda: _EMPTY_TOKENS)
-    mode: Mode = Mode.AMORTIZE
+    mode: EditMode = EditMode.AMORTIZE
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -62,7 +62,7 @@ class Edit:
     start: int
     end: int
     replacement: np.ndarray
-    mode: Mode
+    mode: EditMode
 
     @property
     def delta(self) -> int:
@@ -145,7 +145,7 @@ def validate_directives(
         if end < start:
             raise InvalidArgument(f"{where}.end: {end} is before start {start}")
         try:
-            mode = Mode(d.mode)
+            mode = EditMode(d.mode)
         except ValueError:
             raise InvalidArgument(f"{where}.mode: {d.mode!r} is not one of 'amortize', 'forget'") from None
         replacement = validate_tokens(d.replacement, f"{where}.replacement", vocab_size=vocab_size)

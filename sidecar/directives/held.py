@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from sidecar.directives.directive import Mode
+from sidecar.directives.directive import EditMode
 from sidecar.directives.layout import frozen
-from sidecar.directives.plan import OpKind, OpPlan, SessionId
+from sidecar.directives.op_plan import OpKind, OpPlan, SessionId
 from sidecar.errors import InvariantViolation
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ def forget_start(plan: OpPlan) -> int | None:
     directive's start, shifted by the directives before it), or None."""
     shift = 0
     for e in plan.edits:
-        if e.mode is Mode.FORGET:
+        if e.mode is EditMode.FORGET:
             return e.start + shift
         shift += e.delta
     return None
@@ -77,7 +77,7 @@ def kept_sources(plan: OpPlan, n_old: int) -> np.ndarray:
     ends: list[int] = []
     for e in plan.edits:  # sorted by start; per directive, never per token
         starts.append(e.start)
-        if e.mode is Mode.FORGET:
+        if e.mode is EditMode.FORGET:
             ends.append(n_old)
             break
         ends.append(e.end)

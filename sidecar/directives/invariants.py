@@ -4,7 +4,7 @@
 with their shifts, computed ranges) and checks the ops against that:
 
 * the plan belongs to this session, block size and version; ops come in the documented
-  order (plan.py); PREFILL/REFRESH ops run left to right;
+  order (op_plan.py); PREFILL/REFRESH ops run left to right;
 * the post-commit arrays are parallel, positions are ``0..n-1``, tokens equal
   ``apply_edits`` (the plain definition of the edit), slots follow the paged shape;
 * blocks: ALLOCATE takes blocks neither the session nor its allocator holds, FREE releases
@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sidecar.directives.directive import Edit, Mode, apply_edits
+from sidecar.directives.directive import Edit, EditMode, apply_edits
 from sidecar.directives.layout import arange
-from sidecar.directives.plan import OpKind, OpPlan
+from sidecar.directives.op_plan import OpKind, OpPlan
 from sidecar.errors import InvariantViolation
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def kept_ranges(edits: tuple[Edit, ...], n: int) -> tuple[list[tuple[int, int, i
     for e in edits:
         if e.start > prev:
             kept.append((prev + shift, e.start + shift, shift))
-        if e.mode is Mode.FORGET:
+        if e.mode is EditMode.FORGET:
             total = n + sum(x.delta for x in edits)
             if total > e.start + shift:
                 computed.append((e.start + shift, total))

@@ -16,7 +16,7 @@ import numpy as np
 from sidecar.directives.allocator import BlockAllocator
 from sidecar.directives.directive import validate_tokens
 from sidecar.directives.layout import Layout, arange, frozen
-from sidecar.directives.plan import OpPlan, SessionId
+from sidecar.directives.op_plan import OpPlan, SessionId
 from sidecar.errors import InvalidArgument, InvariantViolation
 
 #: Largest block size accepted (vLLM uses 16 on GPU and 32 on CPU; 1 is token-granular).

@@ -52,11 +52,11 @@ from typing import Sequence
 
 import numpy as np
 
-from sidecar.directives.directive import Directive, Edit, Mode, validate_directives
+from sidecar.directives.directive import Directive, Edit, EditMode, validate_directives
 from sidecar.directives.invariants import check_plan
 from sidecar.directives.layout import Layout, arange, frozen
 from sidecar.directives.mirror import SessionMirror
-from sidecar.directives.plan import Op, OpKind, OpPlan, PlanId, PlanSummary
+from sidecar.directives.op_plan import Op, OpKind, OpPlan, PlanId, PlanSummary
 
 #: Rotations a slot may accumulate before a REFRESH is proposed instead of another one.
 #: Chained rotations drift (slowly: Leyline App. F); the sidecar's own copies never chain.
@@ -104,7 +104,7 @@ def _build(session: SessionMirror, edits: tuple[Edit, ...], refresh_after: int |
         if forget_at < 0:
             regions.append((prev, e.start, shift))
             q = e.start + shift
-            if e.mode is Mode.FORGET:
+            if e.mode is EditMode.FORGET:
                 forget_at = q
             elif len(e.replacement):
                 prefills.append((q, q + len(e.replacement)))
@@ -207,7 +207,7 @@ def _build(session: SessionMirror, edits: tuple[Edit, ...], refresh_after: int |
         )
     compute_ops.sort(key=lambda c: c[0])
 
-    # 4. Assemble in application order (plan.py): ALLOCATE, MOVE, FREE, ROTATEs, computes.
+    # 4. Assemble in application order (op_plan.py): ALLOCATE, MOVE, FREE, ROTATEs, computes.
     ops: list[Op] = []
     if len(allocated):
         ops.append(Op(kind=OpKind.ALLOCATE, blocks=frozen(allocated)))

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from sidecar.directives.directive import Directive, validate_tokens
 from sidecar.directives.held import HeldKV, HeldSpan, Resolver
 from sidecar.directives.mirror import SessionInfo, SessionMirror, validate_block_size
-from sidecar.directives.plan import OpPlan, PlanId, SessionId
+from sidecar.directives.op_plan import OpPlan, PlanId, SessionId
 from sidecar.directives.planner import DEFAULT_REFRESH_AFTER, plan_splice
 from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from sidecar.directives.layout import Layout
-from sidecar.directives.plan import OpKind, OpPlan
+from sidecar.directives.op_plan import OpKind, OpPlan
 
 
 class PoolError(AssertionError):

@@ -38,7 +38,7 @@ import numpy as np
 import xxhash
 
 from sidecar.registry.chunker import chain_reference
-from sidecar.registry.registry import ChunkHash
+from sidecar.registry.entry import ChunkHash
 
 FORMAT_VERSION = 1
 _U32 = np.dtype("<u4")

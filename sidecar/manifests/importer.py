@@ -33,7 +33,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from sidecar.manifests.format import ManifestEntry, chunk_key, merge, next_prefix_digest
-from sidecar.registry.registry import ChunkEntry, EntryState, token_digest
+from sidecar.registry.entry import ChunkEntry, EntryState, token_digest
 from sidecar.tiers import Tier
 from sidecar.tiers import chunk_key as store_key
 
@@ -213,7 +213,7 @@ class ManifestImporter:
         if fetched is None:
             return None
         meta = fetched.meta
-        from sidecar.dataplane import decode_aux
+        from sidecar.dataplane.records import decode_aux
 
         entry = decode_aux(meta)
         if entry is None or meta.scope != e.scope or meta.num_tokens != e.num_tokens:

@@ -37,7 +37,7 @@ from pathlib import Path
 from sidecar.identity import CacheIdentity
 from sidecar.manifests.config import ManifestsConfig
 from sidecar.manifests.format import ManifestEntry, encode_line
-from sidecar.registry.registry import ChunkEntry
+from sidecar.registry.entry import ChunkEntry
 
 logger = logging.getLogger(__name__)
 

@@ -235,7 +235,7 @@ def _merge(acc, val):
     return acc * _P1 + _P4
 
 
-# Hand-written on purpose (issue 14): the xxhash package cannot be called from nopython code, and a
+# Hand-written on purpose: the xxhash package cannot be called from nopython code, and a
 # Python call per chunk would put the interpreter back into the compiled CDC pass; the tests pin
 # it to xxhash.xxh64 bit for bit.
 @numba.njit(inline="always")

@@ -16,7 +16,7 @@ when only protected entries are left the registry stays over capacity rather tha
 
 Planner mirror: with ``compiled_lookup`` (the default) every mutation a Lookup can see (new
 and deleted entries, state, canonical position, links, tokens a recovered entry adopts) is also
-recorded in a ``table.RegistryTable``, the flat arrays the compiled planner reads. Registered
+recorded in an ``entry_table.EntryTable``, the flat arrays the compiled planner reads. Registered
 entries must therefore change only through this class (``update``, ``set_state``, ``link``,
 ``matches``): a field assigned elsewhere is invisible to the compiled planner.
 
@@ -28,78 +28,11 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import NewType
+from dataclasses import dataclass
 
-import xxhash
-
+from sidecar.registry.entry import ChunkEntry, ChunkHash, EntryState
+from sidecar.registry.entry_table import EntryTable
 from sidecar.registry.seeds import interval_bits
-from sidecar.registry.table import RegistryTable
-
-ChunkHash = NewType("ChunkHash", int)
-
-#: Rough per-entry Python overhead (object, dict slot, bytes headers), counted in capacity.
-ENTRY_OVERHEAD_BYTES = 256
-
-
-class EntryState(str, Enum):
-    OBSERVED = "observed"  # metadata only: counted by observer-mode lookups, never served
-    RESIDENT = "resident"  # KV payload held by a tier: served to engines
-
-
-def token_digest(data: bytes | memoryview) -> bytes:
-    """Second, independent digest of a chunk's token bytes (xxh3-128), kept with stored KV so
-    entries recovered after a restart are verified before they are served."""
-    return xxhash.xxh3_128_digest(data)
-
-
-@dataclass(slots=True, eq=False)
-class ChunkEntry:
-    """One registered chunk. ``tokens`` may be empty for an entry recovered from a tier after a
-    restart: it is then verified by ``digest`` and adopts the tokens on its first verified hit."""
-
-    key: ChunkHash
-    scope: str
-    tokens: bytes  # packed little-endian uint32
-    source_pos: int
-    prefix_digest: int
-    left_context: bytes  # packed LE uint32, at most left_context_tokens tokens before the chunk
-    state: EntryState = EntryState.OBSERVED
-    tier: str | None = None
-    hits: int = 0
-    first_seen: float = field(default_factory=time.time)
-    last_seen: float = 0.0
-    num_tokens: int = 0
-    digest: bytes = b""
-    #: Links to the neighbouring chunks of the sequence this entry's canonical copy was computed
-    #: in (same scope; 0 = unknown): the chunk right before it, the chunk right after it, and
-    #: the prefix digest the chunk after it has there (``prefix_digest`` chained over this
-    #: chunk). Lookup follows them to coalesce hits and to extend a hit token by token into its
-    #: stored neighbours (``index.ChunkIndex.lookup``); every use re-checks the neighbour.
-    prev_key: int = 0
-    next_key: int = 0
-    next_digest: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.num_tokens:
-            self.num_tokens = len(self.tokens) // 4
-
-    @property
-    def nbytes(self) -> int:
-        return 4 * self.num_tokens + len(self.left_context) + ENTRY_OVERHEAD_BYTES
-
-    def matches(self, data: bytes) -> bool:
-        """Token verification: stored tokens, or the second digest for recovered entries (which
-        adopt the tokens). For a registered entry call ``InMemoryRegistry.matches``: it keeps
-        the compiled planner's mirror in step."""
-        if self.tokens:
-            return self.tokens == data
-        if self.digest and len(data) == 4 * self.num_tokens and self.digest == token_digest(data):
-            self.tokens = bytes(data)
-            return True
-        return False
-
 
 @dataclass(frozen=True, kw_only=True)
 class RegistryConfig:
@@ -128,8 +61,8 @@ class RegistryConfig:
     #: prefill (``min_hit_tokens`` applies to chunk hits): seeds are for moved documents, not
     #: for the short phrases that recur everywhere.
     seed_min_tokens: int = 64
-    #: Lookup: plan in one compiled call over a flat mirror of the registry (``table``,
-    #: ``compiled``; ~4 bytes a token and ~130 bytes a chunk more memory, outside
+    #: Lookup: plan in one compiled call over a flat mirror of the registry (``entry_table``,
+    #: ``lookup_kernel``; ~4 bytes a token and ~130 bytes a chunk more memory, outside
     #: ``capacity_bytes``). False: the Python planner only, no mirror. Plans are identical.
     compiled_lookup: bool = True
 
@@ -172,7 +105,7 @@ class InMemoryRegistry:
 
     def __init__(self, config: RegistryConfig) -> None:
         self.config = config
-        # Hand-written LRU on purpose (issue 14): it bounds two capacities at once (entries and
+        # Hand-written LRU on purpose: it bounds two capacities at once (entries and
         # bytes) plus a per-scope share, skips protected (claimed) entries and reports each
         # eviction's reason; functools.lru_cache / cachetools bound one quantity and evict blindly.
         self._entries: OrderedDict[int, ChunkEntry] = OrderedDict()
@@ -185,8 +118,8 @@ class InMemoryRegistry:
         #: Keys LRU eviction must skip (claimed chunks); owned by the claims ledger.
         self.protected: set[int] = set()
         #: The compiled planner's mirror of the entries (None without ``compiled_lookup``).
-        self.table: RegistryTable | None = (
-            RegistryTable(min(config.capacity_entries, 1024), interval_bits(config.seed_interval))
+        self.table: EntryTable | None = (
+            EntryTable(min(config.capacity_entries, 1024), interval_bits(config.seed_interval))
             if config.compiled_lookup else None
         )
 

@@ -1,4 +1,4 @@
-"""Seeds: entry points into stored chunks finer than a chunk (issue 14, item 3).
+"""Seeds: entry points into stored chunks finer than a chunk.
 
 A chunk hit needs the prompt to be cut exactly where the stored sequence was cut. A short
 document moved inside one message has no content-defined cut of its own: its chunk always
@@ -13,11 +13,11 @@ find such text anyway::
 * **Windows.** Every ``SEED_TOKENS``-token window whose hash has its top ``bits`` bits zero is
   a seed (one in ``2**bits`` windows, ``registry.seed_interval``). The choice depends on
   the window's tokens only, so the same text yields the same seeds wherever it sits.
-* **The seed map** (``table.RegistryTable``, kept with the mirror): seed key -> (slot, row) of
+* **The seed map** (``entry_table.EntryTable``, kept with the mirror): seed key -> (slot, row) of
   the stored chunk holding the window, for every window inside a chunk whose tokens are known.
   Keys mix the window hash with the scope, so tenants never share an entry. The last chunk
   registered with a window owns it; deleting a chunk removes the windows it owns.
-* **Lookup** (``compiled.plan_chunks`` and the reference ``index.lookup_reference``): after
+* **Lookup** (``lookup_kernel.plan_chunks`` and the reference ``chunk_index.lookup_reference``): after
   chunk hits are coalesced and extended, the prompt tokens no run reached are scanned for
   seeds. A seed is used when its chunk is in the caller's scope (or shared), served (RESIDENT;
   OBSERVED too for dry runs), the window's tokens equal the stored ones, and the chunk's key is

@@ -42,7 +42,7 @@ Per piece the plan keeps one row (the wire format is unchanged: a run is a seque
 contiguous positions and one delta, ``LookupPlan.hit_segments``), so every client fetches the
 chunks of a run as before, one Fetch item per chunk, and takes rows ``[row, row + len)``.
 
-This module is the reference: ``compiled.plan_chunks`` does the same steps in one numba call
+This module is the reference: ``lookup_kernel.plan_chunks`` does the same steps in one numba call
 over the registry's mirror, and tests/registry/test_compiled_lookup.py holds the two to the
 same plans.
 """
@@ -53,8 +53,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from sidecar.registry.plan import CARVE_OUT_TOKENS
-from sidecar.registry.registry import ChunkEntry, EntryState
+from sidecar.registry.entry import ChunkEntry, EntryState
+from sidecar.registry.lookup_plan import CARVE_OUT_TOKENS
 from sidecar.registry.seeds import SEED_TOKENS, windows
 
 _RESIDENT = EntryState.RESIDENT

@@ -42,12 +42,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sidecar.identity import SHARED_SCOPE
-from sidecar.registry.registry import ChunkEntry, EntryState, token_digest
+from sidecar.registry.entry import ChunkEntry, EntryState, token_digest
 from sidecar.registry.shared_keys import KeySpace, SharedRecord, SharedRegistryConfig
+from sidecar.tiers import Tier
 
 if TYPE_CHECKING:
+    from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
     from sidecar.registry.chunker import Chunks
-    from sidecar.registry.index import ChunkIndex, LookupQuery
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +267,7 @@ class SharedRegistry:
                 # Known here as metadata only; a peer's copy is servable now: it is canonical.
                 reg.update(old, source_pos=e.source_pos, prefix_digest=e.prefix_digest,
                            left_context=e.left_context, digest=e.digest)
-                reg.set_state(old, EntryState.RESIDENT, "remote")
+                reg.set_state(old, EntryState.RESIDENT, Tier.REMOTE.value)
                 n += 1
         self.stats.read_found += n
 

@@ -32,12 +32,15 @@ from urllib.parse import urlsplit
 
 import xxhash
 
-from sidecar.registry.registry import ChunkEntry, ChunkHash, EntryState
+from sidecar.registry.entry import ChunkEntry, ChunkHash, EntryState, token_digest
+from sidecar.tiers import TIER_NAMES, Tier
 
 _TAG_SEED = 0x6B767363  # "kvsc": fixed, so every sidecar derives the same tags
 _HEAD = struct.Struct("<BBBxIQI16sHHH")
 _VERSION = 1
-_TIERS = ("", "gpu", "cpu", "disk", "remote")
+# Record tier codes: 0 none, then 1 + the tier's rank (a tier inserted before others changes their
+# codes: bump _VERSION then).
+_TIERS = ("", *TIER_NAMES)
 _TIER_CODE = {t: i for i, t in enumerate(_TIERS)}
 
 
@@ -160,8 +163,6 @@ class SharedRecord:
     def of(cls, entry: ChunkEntry, owner: str, shared_tier: str, left_context: bool = True) -> SharedRecord:
         """Snapshot of ``entry`` (taken on the loop thread that owns it); ``shared_tier`` is
         non-empty when the remote tier holds a copy of its bytes; ``left_context``: keep it."""
-        from sidecar.registry.registry import token_digest
-
         resident = entry.state is EntryState.RESIDENT
         return cls(
             scope=entry.scope, source_pos=entry.source_pos, prefix_digest=entry.prefix_digest,
@@ -213,8 +214,8 @@ class SharedRecord:
         servable = resident and lt and shared_tier_b and raw[c:d] == shared_tier_b
         return ChunkEntry(
             key=ChunkHash(key), scope=scope, tokens=b"", source_pos=src, prefix_digest=prefix, left_context=raw[d:],
-            state=EntryState.RESIDENT if servable else EntryState.OBSERVED, tier="remote" if servable else None,
-            num_tokens=ntok, digest=digest,
+            state=EntryState.RESIDENT if servable else EntryState.OBSERVED,
+            tier=Tier.REMOTE.value if servable else None, num_tokens=ntok, digest=digest,
         )
 
     def entry(self, key: int, servable: bool) -> ChunkEntry:
@@ -224,5 +225,5 @@ class SharedRecord:
             key=ChunkHash(key), scope=self.scope, tokens=b"", source_pos=self.source_pos,
             prefix_digest=self.prefix_digest, left_context=self.left_context,
             state=EntryState.RESIDENT if servable else EntryState.OBSERVED,
-            tier="remote" if servable else None, num_tokens=self.num_tokens, digest=self.digest,
+            tier=Tier.REMOTE.value if servable else None, num_tokens=self.num_tokens, digest=self.digest,
         )

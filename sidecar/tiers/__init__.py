@@ -13,10 +13,14 @@ The store drives LMCache's storage *components* from ``lmcache.v1.distributed`` 
   object is invisible until ``finish_write``, a read-locked one cannot be deleted);
 * disk tier: the ``fs_native`` L2 adapter (C++ file connector, tmp file + rename);
 * remote tier: the ``resp`` L2 adapter (C++ RESP client for Redis/Valkey), created through
-  LMCache's adapter factory and config classes (``remote_tier``: why it is kept over redis-py
-  and LMCache's ``valkey`` adapter);
+  LMCache's adapter factory and config classes (``backends.remote``: why it is kept over
+  redis-py and LMCache's ``valkey`` adapter);
 * GPU tier: LMCache has none; a device tensor carved by LMCache's ``TensorMemoryAllocator``,
-  with the L1 as host staging (``memory_tiers.DeviceTier``).
+  with the L1 as host staging (``backends.gpu.GpuTier``).
+
+Each is one subclass of ``backends.base.TierBackend`` (the primitives a backend provides),
+registered per ``Tier`` in ``backends.BACKENDS``. The tier list itself is the ``Tier`` enum
+(``sidecar.tiers.types``), with ``TIER_ORDER``/``TIER_NAMES``/``TIER_RANK`` derived from it.
 
 ``StorageManager`` itself (with its store, prefetch and eviction controllers) is not used: it
 writes every L1 object through to every L2 asynchronously (no tiering, every chunk hits disk),
@@ -62,7 +66,7 @@ LMCache 0.5.6 pitfalls (verified here) and how the store handles them
    destructor closes the same fd number again, by then possibly another connection's (redis-py,
    gRPC): two owners of one fd cross-talk. So the native client connects only after a PING from
    Python succeeds, and a replaced connection is closed completely before the next one opens
-   (``sidecar.tiers.remote_tier``; found by the Redis-kill fault test).
+   (``sidecar.tiers.backends.remote``; found by the Redis-kill fault test).
    Run the remote Redis with ``maxmemory-policy noeviction`` (capacity is ``remote_bytes``):
    a key evicted between EXISTS and GET costs one ``io_timeout_s`` stall.
 8. (found here) ``fs_native`` keeps no index and cannot list keys; storing an existing key
@@ -90,9 +94,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-# Names resolve on first use (PEP 562): the configuration, the wire layer and the supervisor
-# need ``StoreConfig``, ``Tier`` or ``chunk_key``, not torch and LMCache (~1.5 s to import),
-# which only the store and the codec pull in.
+# Names resolve on first use (PEP 562): the configuration, the wire layer, the registry and the
+# supervisor need ``StoreConfig``, ``Tier``, the tier list or ``chunk_key``, not torch and
+# LMCache (~1.5 s to import), which only the store and the codec pull in.
 _SOURCES = {
     "sidecar.tiers.codec": (
         "KVPayloadView", "PartView", "as_byte_tensor", "decode_payload", "encode_payload", "payload_nbytes",
@@ -104,7 +108,10 @@ _SOURCES = {
     "sidecar.tiers.placement": ("Guard",),
     "sidecar.tiers.stats": ("StoreStats", "TierStats"),
     "sidecar.tiers.store": ("TieredStore",),
-    "sidecar.tiers.types": ("ChunkKey", "ChunkMeta", "FetchedChunk", "PutResult", "Tier", "chunk_key"),
+    "sidecar.tiers.types": (
+        "ChunkKey", "ChunkMeta", "FetchedChunk", "PutResult", "TIER_NAMES", "TIER_ORDER", "TIER_RANK", "Tier",
+        "chunk_key",
+    ),
 }
 _MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
 
@@ -138,9 +145,22 @@ if TYPE_CHECKING:
     from sidecar.tiers.placement import Guard
     from sidecar.tiers.stats import StoreStats, TierStats
     from sidecar.tiers.store import TieredStore
-    from sidecar.tiers.types import ChunkKey, ChunkMeta, FetchedChunk, PutResult, Tier, chunk_key
+    from sidecar.tiers.types import (
+        TIER_NAMES,
+        TIER_ORDER,
+        TIER_RANK,
+        ChunkKey,
+        ChunkMeta,
+        FetchedChunk,
+        PutResult,
+        Tier,
+        chunk_key,
+    )
 
 __all__ = [
+    "TIER_NAMES",
+    "TIER_ORDER",
+    "TIER_RANK",
     "CapacityError",
     "ChunkKey",
     "ChunkMeta",

@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
 import torch
 
+from sidecar.tiers.backends import BACKENDS, DiskTier, LoadFailure, ObjectBackend, PoolBackend, RemoteTier, TierBackend
 from sidecar.tiers.breaker import Breaker
 from sidecar.tiers.config import StoreConfig
 from sidecar.tiers.envelope import HEADER_NBYTES, CorruptChunkError, checksum, object_nbytes, parse_header, write_header
-from sidecar.tiers.l2_tiers import DiskTier, LoadFailure
-from sidecar.tiers.remote_tier import RemoteTier
-from sidecar.tiers.memory_tiers import CpuTier, DeviceTier, MemoryTier
 from sidecar.tiers.types import TIER_ORDER, ChunkKey, ChunkMeta, FetchedChunk, Tier
 
 logger = logging.getLogger(__name__)
@@ -76,62 +73,42 @@ def encode_into(dst: torch.Tensor, meta: ChunkMeta, payload: torch.Tensor) -> Ch
 
 
 class TierIO:
-    """The backends of one store: memory pools (GPU, CPU), the disk tier, the remote tier."""
+    """The backends of one store (``sidecar.tiers.backends``), fastest first: memory pools
+    (``mem``: GPU, CPU), then object tiers (disk, remote), each behind a breaker."""
 
     def __init__(self, config: StoreConfig) -> None:
         self._config = config
-        self.mem: dict[Tier, MemoryTier] = {}
+        self.backends: dict[Tier, TierBackend] = {}
+        self.mem: dict[Tier, PoolBackend] = {}
         self.disk: DiskTier | None = None
         self.remote: RemoteTier | None = None
         self._scratch = threading.local()  # per-thread host buffer for encoding (writers run in parallel)
-        self.breakers = {Tier.DISK: Breaker("disk"), Tier.REMOTE: Breaker("remote")}  # sidecar/tiers/breaker.py
+        self.breakers = {  # sidecar/tiers/breaker.py
+            t: Breaker(t.value) for t in TIER_ORDER if issubclass(BACKENDS[t], ObjectBackend)
+        }
         try:
             self._open(config)
         except BaseException:
             self.close()
             raise
-        self.chain: tuple[Tier, ...] = tuple(t for t in TIER_ORDER if self.has(t))
+        self.chain: tuple[Tier, ...] = tuple(self.backends)
 
     def _open(self, config: StoreConfig) -> None:
-        if config.gpu_bytes > 0:
-            device = torch.device(config.gpu_device)
-            if device.type == "cuda" and not torch.cuda.is_available():
-                logger.warning("store.gpu_bytes=%d but CUDA is not available: GPU tier disabled", config.gpu_bytes)
-            else:
-                self.mem[Tier.GPU] = DeviceTier(capacity_bytes=config.gpu_bytes, device=config.gpu_device)
-        if config.cpu_bytes > 0:
-            self.mem[Tier.CPU] = CpuTier(
-                capacity_bytes=config.cpu_bytes, align_bytes=config.cpu_align_bytes, namespace=config.namespace
-            )
-        if config.disk_bytes > 0:
-            assert config.disk_path is not None
-            self.disk = DiskTier(
-                path=config.disk_path,
-                capacity_bytes=config.disk_bytes,
-                namespace=config.namespace,
-                workers=config.disk_workers,
-                timeout_s=config.io_timeout_s,
-            )
-        if config.remote_bytes > 0:
-            assert config.remote_url is not None
-            self.remote = RemoteTier(
-                url=config.remote_url,
-                capacity_bytes=config.remote_bytes,
-                namespace=config.namespace,
-                workers=config.remote_workers,
-                timeout_s=config.io_timeout_s,
-                close_timeout_s=config.close_timeout_s,
-            )
+        for tier in TIER_ORDER:
+            backend = BACKENDS[tier].from_config(config)
+            if backend is None:
+                continue
+            self.backends[tier] = backend
+            if isinstance(backend, PoolBackend):
+                self.mem[tier] = backend
+        self.disk = self.backends.get(Tier.DISK)
+        self.remote = self.backends.get(Tier.REMOTE)
 
     def has(self, tier: Tier) -> bool:
-        if tier in (Tier.GPU, Tier.CPU):
-            return tier in self.mem
-        return (self.disk if tier == Tier.DISK else self.remote) is not None
+        return tier in self.backends
 
     def backend(self, tier: Tier):
-        if tier in self.mem:
-            return self.mem[tier]
-        backend = self.disk if tier == Tier.DISK else self.remote
+        backend = self.backends.get(tier)
         assert backend is not None, f"tier {tier.value} is not configured; this indicates a placement bug"
         return backend
 
@@ -238,16 +215,15 @@ class TierIO:
         """Remove one object's bytes; False only when a remote delete could not be confirmed."""
         if tier in self.mem:
             self.mem[tier].remove(key)
-        elif tier == Tier.DISK:
-            assert self.disk is not None
-            self.disk.remove([key])
-        else:
+        elif tier == Tier.REMOTE:
             assert self.remote is not None
             if not self.available(Tier.REMOTE):
                 return True  # skipped while Redis is avoided: the object stays until Redis evicts it
             if not self.remote.remove([key]):
                 self.breakers[Tier.REMOTE].failed()
                 return False
+        else:  # a local object tier (disk): its remove is best effort and makes sure of the bytes
+            self.backend(tier).remove([key])
         return True
 
     def close(self, free_memory: bool = True) -> None:
@@ -255,8 +231,8 @@ class TierIO:
         # Each LMCache adapter joins its demux thread (up to 0.5 s); close them side by side.
         closers = [
             threading.Thread(target=b.close, args=(timeout,), name="kv-sidecar-close", daemon=True)
-            for b in (self.remote, self.disk)
-            if b is not None
+            for b in reversed(self.backends.values())
+            if isinstance(b, ObjectBackend)
         ]
         for t in closers:
             t.start()
@@ -266,4 +242,4 @@ class TierIO:
             logger.error("tiered store closed with operations in flight: memory pools not freed")
             return
         for mem in self.mem.values():
-            mem.close()
+            mem.close(timeout)

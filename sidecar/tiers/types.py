@@ -1,9 +1,15 @@
-"""Names of the tiered store: tiers, keys, chunk metadata, fetch/put results."""
+"""Names of the tiered store: the tier list, keys, chunk metadata, fetch/put results.
+
+Light on purpose (no torch at runtime): the registry, the configuration and the API layer
+import the tier list from here.
+"""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, NewType
 
 if TYPE_CHECKING:  # the names here are imported by light modules (config, wire); torch is not
@@ -22,7 +28,14 @@ def chunk_key(chunk_hash: int) -> ChunkKey:
 
 
 class Tier(str, enum.Enum):
-    """A storage tier, fastest first. Compares equal to its wire value (``Tier.CPU == "cpu"``)."""
+    """A storage tier, fastest first. Compares (and hashes) equal to its wire value
+    (``Tier.CPU == "cpu"``), the name used in config, metrics labels, the API and registry records.
+
+    The one list of tiers: ``TIER_ORDER``, ``TIER_NAMES`` and ``TIER_RANK`` derive from it. The
+    order of the members is the demotion order (a chunk evicted from one tier goes to the next
+    configured tier after it); a new tier is inserted where it belongs by speed, and its backend
+    registered in ``sidecar.tiers.backends.BACKENDS``.
+    """
 
     GPU = "gpu"
     CPU = "cpu"
@@ -31,7 +44,11 @@ class Tier(str, enum.Enum):
 
 
 #: Fastest first; a chunk evicted from tier i is demoted to the next configured tier after it.
-TIER_ORDER: tuple[Tier, ...] = (Tier.GPU, Tier.CPU, Tier.DISK, Tier.REMOTE)
+TIER_ORDER: tuple[Tier, ...] = tuple(Tier)
+#: The tiers' names (``"gpu"``, ...), fastest first: what a request, a config key or a label may say.
+TIER_NAMES: tuple[str, ...] = tuple(t.value for t in TIER_ORDER)
+#: Position of each tier in ``TIER_ORDER`` (0: fastest); a ``Tier`` or its name both look it up.
+TIER_RANK: Mapping[Tier, int] = MappingProxyType({t: i for i, t in enumerate(TIER_ORDER)})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -10,12 +10,12 @@ import numpy as np
 import torch
 
 from sidecar.claims import ClaimsConfig
-from sidecar.config import AuthConfig
 from sidecar.client import SidecarClient
+from sidecar.config import AuthConfig
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.registry.chunker import ChunkerConfig
-from sidecar.registry.registry import EntryState
-from sidecar.server import create_server
+from sidecar.registry.entry import EntryState
+from sidecar.app import create_server
 from sidecar.tiers import StoreConfig
 from tests.conftest import make_config
 

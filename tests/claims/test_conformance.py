@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.claims import Conformance, Mode, classify_lowering
+from sidecar.claims import Admit, Conformance, Decision, ProtectionMode, classify_lowering
 from sidecar.errors import ResourceExhausted
-from sidecar.v1 import sidecar_pb2 as pb
 from tests.claims.helpers import BLOCK, IDENT, SLOT, blocks, events, held_blocks, start, store
 from sidecar.client import SidecarClient
 
@@ -56,12 +55,12 @@ async def test_l3_hard_claim_infeasibility_refuses_active_with_attribution():
     async def body(server, c):
         await store(c, RESIDENT)
         d = await c.claim("claim:resident", identity=IDENT, mode="hard_protected", tokens=RESIDENT)
-        assert d.decision == pb.CLAIM_DECISION_ACCEPTED and d.claim.state == "materialized"
+        assert d.decision == Decision.ACCEPTED and d.claim.state == "materialized"
         assert d.claim.leading_tokens == 60 * BLOCK
         # Engine pool: 80 usable blocks, nothing running.
         await c.report_pool(usable_blocks=80, free_blocks=80, block_size=BLOCK, hard_protection=True)
         adm = await c.admit_active("active", 70)
-        assert adm.decision == pb.ADMIT_DECISION_REFUSED
+        assert adm.decision == Admit.REFUSED
         assert list(adm.blocking_claim_ids) == ["claim:resident"]
         p = adm.proof
         assert (p.resident, p.active, p.usable, p.shortfall, p.unit) == (60, 70, 80, 50, "blocks")
@@ -111,7 +110,7 @@ async def test_l6_surviving_blocks_failing_the_leading_prefix_predicate():
         await store(c, RESIDENT[BLOCK:])  # blocks 1..59 survive; block 0 does not
         d = await c.claim("claim:resident", identity=IDENT, mode="hard_protected", tokens=RESIDENT,
                           predicate_min_tokens=60 * BLOCK)
-        assert d.decision == pb.CLAIM_DECISION_CONDITIONALLY_ACCEPTED
+        assert d.decision == Decision.CONDITIONALLY_ACCEPTED
         info = d.claim
         # Chunk keys include the prefix digest? No: content chunks of a fixed grid, so the 59
         # Stored blocks are the claim's blocks 1..59.
@@ -150,10 +149,10 @@ async def test_l7_trace_reconstruction_from_events_alone():
 
 
 def test_c1_capability_classification():
-    assert classify_lowering(Mode.HARD_PROTECTED, Mode.SOFT_PRIORITY) is Conformance.UNSOUND
-    assert classify_lowering(Mode.DEMOTABLE, Mode.SOFT_PRIORITY) is Conformance.UNSOUND
-    assert classify_lowering(Mode.SOFT_PRIORITY, Mode.SOFT_PRIORITY) is Conformance.APPROXIMATE
-    assert classify_lowering(Mode.HARD_PROTECTED, Mode.HARD_PROTECTED) is Conformance.SOUND
+    assert classify_lowering(ProtectionMode.HARD_PROTECTED, ProtectionMode.SOFT_PRIORITY) is Conformance.UNSOUND
+    assert classify_lowering(ProtectionMode.DEMOTABLE, ProtectionMode.SOFT_PRIORITY) is Conformance.UNSOUND
+    assert classify_lowering(ProtectionMode.SOFT_PRIORITY, ProtectionMode.SOFT_PRIORITY) is Conformance.APPROXIMATE
+    assert classify_lowering(ProtectionMode.HARD_PROTECTED, ProtectionMode.HARD_PROTECTED) is Conformance.SOUND
 
 
 async def test_c1_soft_priority_is_never_accepted_as_a_lowering_of_a_hard_claim():
@@ -162,18 +161,18 @@ async def test_c1_soft_priority_is_never_accepted_as_a_lowering_of_a_hard_claim(
         # An engine pool that can only rank victims: a hard claim is rejected, not downgraded.
         await c.report_pool(usable_blocks=80, free_blocks=80, block_size=BLOCK, hard_protection=False)
         d = await c.claim("h", identity=IDENT, mode="hard_protected", tokens=RESIDENT)
-        assert d.decision == pb.CLAIM_DECISION_REJECTED and "C1" in d.reason
+        assert d.decision == Decision.REJECTED and "C1" in d.reason
         with pytest.raises(Exception):
             await c.get_claim("h")  # a rejected claim holds nothing
         soft = await c.claim("s", identity=IDENT, mode="soft_priority", tokens=RESIDENT)
-        assert soft.decision == pb.CLAIM_DECISION_CONDITIONALLY_ACCEPTED
+        assert soft.decision == Decision.CONDITIONALLY_ACCEPTED
         # With victim exclusion available: a live hard claim is never lowered by resubmitting it soft.
         await c.report_pool(usable_blocks=80, free_blocks=80, block_size=BLOCK, hard_protection=True)
         assert (await c.claim("h", identity=IDENT, mode="hard_protected", tokens=RESIDENT)).decision == \
-            pb.CLAIM_DECISION_ACCEPTED
+            Decision.ACCEPTED
         again = await c.claim("h", identity=IDENT, mode="soft_priority", tokens=RESIDENT)
-        assert again.decision == pb.CLAIM_DECISION_REJECTED and "C1" in again.reason
-        assert (await c.get_claim("h")).mode == pb.CLAIM_MODE_HARD_PROTECTED
+        assert again.decision == Decision.REJECTED and "C1" in again.reason
+        assert (await c.get_claim("h")).mode == ProtectionMode.HARD_PROTECTED
         # A soft claim on the same chunks does not weaken the hard one: the Store is still refused.
         with pytest.raises(ResourceExhausted):
             await store(c, ACTIVE)

@@ -9,7 +9,7 @@ import pytest
 
 from clients.transformers import ActiveAdmission, ActiveRefused, Engine
 from sidecar.client import SyncSidecarClient
-from sidecar.server import ServerThread
+from sidecar.app import ServerThread
 from tests.conftest import make_config
 from tests.engine.conftest import get_model
 

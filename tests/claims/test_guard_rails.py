@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from sidecar.claims import Admit
 from sidecar.client import SidecarClient
 from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from sidecar.v1 import sidecar_pb2 as pb
 from tests.claims.helpers import BLOCK, IDENT, blocks, events, held_blocks, start, store
 
 
@@ -131,7 +131,7 @@ async def test_evict_and_delete_of_claimed_chunks_are_refused():
 async def test_offloadable_moves_down_a_tier_but_is_never_dropped(tmp_path):
     from sidecar.tiers import StoreConfig
     from tests.claims.helpers import SLOT, config
-    from sidecar.server import create_server
+    from sidecar.app import create_server
     import dataclasses
 
     cfg = config(20)
@@ -216,7 +216,7 @@ async def test_pool_and_admit_validation():
         await c.report_pool(usable_blocks=10, free_blocks=10, block_size=16, hard_protection=True)
         with pytest.raises(InvalidArgument, match="active_live_blocks"):
             await c.admit_active("r", 0)
-        assert (await c.admit_active("r", 10)).decision == pb.ADMIT_DECISION_ADMITTED
+        assert (await c.admit_active("r", 10)).decision == Admit.ADMITTED
     await _run(body)
 
 
@@ -227,10 +227,10 @@ async def test_deferred_when_running_work_holds_the_free_blocks():
         await c.claim("res", identity=IDENT, mode="hard_protected", tokens=r)
         await c.report_pool(usable_blocks=100, free_blocks=50, block_size=BLOCK, hard_protection=True)
         adm = await c.admit_active("big", 40)  # 20 + 40 <= 100, but only 50 - 20 = 30 are free now
-        assert adm.decision == pb.ADMIT_DECISION_DEFERRED and adm.retry_after_s > 0
+        assert adm.decision == Admit.DEFERRED and adm.retry_after_s > 0
         assert list(adm.blocking_claim_ids) == ["res"] and adm.proof.free == 50
         await c.report_pool(usable_blocks=100, free_blocks=100, block_size=BLOCK, hard_protection=True)
-        assert (await c.admit_active("big", 40)).decision == pb.ADMIT_DECISION_ADMITTED
+        assert (await c.admit_active("big", 40)).decision == Admit.ADMITTED
         assert [e.event for e in await events(c)][-2:] == ["active_deferred", "active_admitted"]
     await _run(body)
 
@@ -268,7 +268,7 @@ async def test_session_prefix_object_and_metrics():
         with pytest.raises(NotFound):
             await c.claim("nope", identity=IDENT, mode="hard_protected", session_id="no-such-session")
         await c.report_pool(usable_blocks=5, free_blocks=5, block_size=BLOCK, hard_protection=True)
-        assert (await c.admit_active("r1", 3)).decision == pb.ADMIT_DECISION_REFUSED  # 4 + 4 + 3 > 5
+        assert (await c.admit_active("r1", 3)).decision == Admit.REFUSED  # 4 + 4 + 3 > 5
         from prometheus_client import generate_latest
         text = generate_latest(server.metrics.registry).decode()
         assert 'kv_sidecar_claims{state="materialized"} 2.0' in text
@@ -286,7 +286,7 @@ async def test_registry_lru_skips_claimed_entries():
     from tests.claims.helpers import config
 
     cfg = dataclasses.replace(config(80), registry=RegistryConfig(capacity_entries=8))
-    from sidecar.server import create_server
+    from sidecar.app import create_server
 
     server, port = await create_server(cfg)
     try:

@@ -9,10 +9,11 @@ import dataclasses
 
 import grpc
 
-from sidecar.client import SidecarClient, _fetch_request
+from sidecar.api.kv import fetch_request
+from sidecar.client import SidecarClient
 from sidecar.config import AuthConfig
 from sidecar.identity import KVLayout
-from sidecar.server import create_server
+from sidecar.app import create_server
 from sidecar.v1 import sidecar_pb2 as pb
 from tests.claims.helpers import BLOCK, IDENT, LAYOUT, blocks, config, store
 
@@ -31,8 +32,8 @@ async def test_a_thousand_cancelled_fetches_leak_no_pins():
             await c.claim("hot", identity=IDENT, mode="hard_protected", tokens=r)  # claims + Fetch together
             hashes = list((await c.get_claim("hot")).chunk_hashes)
             items = [(h, i * BLOCK) for i, h in enumerate(hashes)]
-            req = _fetch_request(IDENT, LAYOUT, None, items, True)
-            bad = _fetch_request(IDENT, KVLayout.gqa(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16"),
+            req = fetch_request(IDENT, LAYOUT, None, items, True)
+            bad = fetch_request(IDENT, KVLayout.gqa(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16"),
                                  None, items, True)  # layout mismatch: FAILED_PRECONDITION
             frames_seen = 0
 
@@ -68,7 +69,7 @@ async def test_a_thousand_cancelled_fetches_leak_no_pins():
             assert st.pins_in_flight == 0
             assert server.dataplane.store.pins_in_flight() == 0
             assert gauge._value.get() == 0
-            assert server.servicer.limits._inflight.get("t1", 0) == 0
+            assert server.edge.limits._inflight.get("t1", 0) == 0
             # and the data is intact and servable
             full = await c.fetch(items, identity=IDENT, layout=LAYOUT, raw=True)
             assert all(f.ok for f in full) and len(full) == 32

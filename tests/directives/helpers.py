@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sidecar.directives import Directive, Mode, OpKind, OpPlan, SessionId, SessionMirror, ToyPool, apply_plan
+from sidecar.directives import Directive, EditMode, OpKind, OpPlan, SessionId, SessionMirror, ToyPool, apply_plan
 
 
 def session(n: int | list[int], block_size: int = 1, *, base: int = 1000) -> SessionMirror:
@@ -13,7 +13,7 @@ def session(n: int | list[int], block_size: int = 1, *, base: int = 1000) -> Ses
     return SessionMirror.open(session_id=SessionId("s"), tenant="t", block_size=block_size, tokens=tokens)
 
 
-def d(start: int, end: int, replacement=(), mode: Mode = Mode.AMORTIZE) -> Directive:
+def d(start: int, end: int, replacement=(), mode: EditMode = EditMode.AMORTIZE) -> Directive:
     return Directive(start=start, end=end, replacement=np.asarray(replacement, dtype=np.int64), mode=mode)
 
 

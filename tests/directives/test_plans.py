@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sidecar.directives import Mode, OpKind, ToyPool, plan_splice
+from sidecar.directives import EditMode, OpKind, ToyPool, plan_splice
 
 from .helpers import apply_and_check, d, ops, session
 
@@ -136,7 +136,7 @@ def test_truncating_the_tail_needs_no_data_ops():
 
 def test_forget_reprefills_everything_from_its_start():
     s = session(10)
-    plan = plan_splice(s, [d(3, 5, [99], Mode.FORGET)])
+    plan = plan_splice(s, [d(3, 5, [99], EditMode.FORGET)])
     assert ops(plan) == [
         ("ALLOCATE", [10, 11, 12, 13, 14, 15]),
         ("FREE", [3, 4, 5, 6, 7, 8, 9]),
@@ -148,7 +148,7 @@ def test_forget_reprefills_everything_from_its_start():
 
 def test_forget_subsumes_later_directives_and_follows_earlier_ones():
     s = session(10)
-    plan = plan_splice(s, [d(6, 8, [77]), d(1, 2), d(4, 5, [], Mode.FORGET)])
+    plan = plan_splice(s, [d(6, 8, [77]), d(1, 2), d(4, 5, [], EditMode.FORGET)])
     # amortize delete [1, 2): region [2, 4) rotates by -1; the forget re-prefills from new
     # position 3 on, with the later amortize edit already applied to the text.
     assert plan.layout.tokens.tolist() == [1000, 1002, 1003, 1005, 77, 1008, 1009]

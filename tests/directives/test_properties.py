@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar.directives import Directive, Mode, OpKind, SessionId, SessionMirror, ToyPool, apply_plan, plan_splice
+from sidecar.directives import Directive, EditMode, OpKind, SessionId, SessionMirror, ToyPool, apply_plan, plan_splice
 from sidecar.errors import InvalidArgument
 
 from .helpers import snapshot
@@ -48,7 +48,7 @@ def directive_sets(draw, n: int, b: int = 1, max_directives: int = 8) -> list[Di
                 continue  # a second insertion at the same position is ambiguous (rejected)
             length = max(length, 1)
             last_insert = s
-        mode = draw(st.sampled_from([Mode.AMORTIZE] * 4 + [Mode.FORGET]))
+        mode = draw(st.sampled_from([EditMode.AMORTIZE] * 4 + [EditMode.FORGET]))
         tokens = draw(st.lists(st.integers(0, VOCAB - 1), min_size=length, max_size=length))
         out.append(Directive(start=s, end=e, replacement=np.array(tokens, dtype=np.uint32), mode=mode))
         pos = e
@@ -82,7 +82,7 @@ def _downstream_shifts(directives: list[Directive], n: int) -> list[int]:
     ordered = sorted(directives, key=lambda x: (x.start, x.end))
     shift = 0
     for i, dr in enumerate(ordered):
-        if dr.mode is Mode.FORGET:
+        if dr.mode is EditMode.FORGET:
             break
         shift += len(dr.replacement) - (dr.end - dr.start)
         nxt = ordered[i + 1].start if i + 1 < len(ordered) else n

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sidecar.directives import Directive, Mode, plan_splice
+from sidecar.directives import Directive, EditMode, plan_splice
 from sidecar.errors import InvalidArgument
 
 from .helpers import d, session, snapshot
@@ -54,7 +54,7 @@ def test_adjacent_spans_and_insert_before_a_replacement_are_accepted():
 def test_string_mode_and_plain_lists_are_accepted():
     s = session(10)
     plan = plan_splice(s, [Directive(start=1, end=2, replacement=[5, 6], mode="forget")])
-    assert plan.edits[0].mode is Mode.FORGET
+    assert plan.edits[0].mode is EditMode.FORGET
     assert plan.edits[0].replacement.dtype == np.uint32
 
 

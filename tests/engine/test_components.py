@@ -22,7 +22,7 @@ from clients.transformers.attention import invariant_attention_native, offset_ca
 from clients.transformers.engine import Engine, _schedule, _select
 from clients.transformers.fidelity import compare, kl_per_token
 from sidecar.client import FetchedKV
-from sidecar.registry.plan import Fidelity, Segment, SegmentKind
+from sidecar.registry.lookup_plan import Fidelity, Segment, SegmentKind
 from tests.engine.conftest import MODEL_CONFIGS, get_model
 
 

@@ -12,7 +12,7 @@ import torch
 
 from clients.transformers import CACHE_OFF, Engine, ReusePolicy, Rotation, Sampling
 from clients.transformers.fidelity import ARMS, evaluate
-from sidecar.registry.plan import Fidelity, SegmentKind
+from sidecar.registry.lookup_plan import Fidelity, SegmentKind
 from tests.rotation.bounds import assert_within, model_bound
 
 NO_STORE = ReusePolicy(store=False)

@@ -35,7 +35,7 @@ from clients.transformers.pretrained import KNOWN_MODELS, resolve
 from sidecar.client import SyncSidecarClient
 from sidecar.config import DEFAULT_RECOMPUTE_TOKENS, SidecarConfig
 from sidecar.registry.chunker import ChunkerConfig
-from sidecar.server import ServerThread
+from sidecar.app import ServerThread
 
 pytestmark = pytest.mark.slow
 

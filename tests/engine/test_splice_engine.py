@@ -16,7 +16,7 @@ import torch
 
 from clients.transformers import Engine, ReusePolicy
 from clients.transformers.splice import PlanNotApplicable, SpliceSession, clone_cache
-from sidecar.directives import Directive, Mode, OpKind, SessionId, SessionMirror, plan_splice
+from sidecar.directives import Directive, EditMode, OpKind, SessionId, SessionMirror, plan_splice
 from sidecar.errors import InvalidArgument, NotFound
 from sidecar.rotation import rotate_keys
 
@@ -33,7 +33,7 @@ def conversation(p) -> np.ndarray:
     return p.join(p.msg(30), p.msg(40), p.msg(25), p.msg(35), p.msg(30))
 
 
-def d(start: int, end: int, replacement, mode: Mode = Mode.AMORTIZE) -> Directive:
+def d(start: int, end: int, replacement, mode: EditMode = EditMode.AMORTIZE) -> Directive:
     return Directive(start=start, end=end, replacement=np.asarray(replacement, dtype=np.uint32), mode=mode)
 
 
@@ -91,7 +91,7 @@ def test_forget_equals_full_prefill(engine, prompts):
     toks = conversation(prompts)
     sess = SpliceSession.open(engine, toks)
     s, e, r = 72, 96, np.arange(100, 105)  # message 2 cut to 5 tokens
-    res = sess.splice([d(s, e, r, Mode.FORGET)])
+    res = sess.splice([d(s, e, r, EditMode.FORGET)])
     new = np.concatenate([toks[:s], r, toks[e:]]).astype(np.uint32)
     assert res.prefilled == len(new) - s and res.rotated == 0
     full = engine.prefill(new, reuse=FULL)
@@ -182,7 +182,7 @@ def test_decode_after_amortize_then_forget(engine, prompts):
     assert len(more) == 3 and sess.cache.length == len(sess)
     # drop the first generated turn (amortize), then forget everything from token 1 on
     sess.splice([d(n2, n2 + 3, [])])
-    res = sess.splice([d(1, 2, sess.tokens[1:2], Mode.FORGET)])
+    res = sess.splice([d(1, 2, sess.tokens[1:2], EditMode.FORGET)])
     full = engine.prefill(sess.tokens, reuse=FULL)
     assert_cache_equal(sess.cache, full.cache)
     assert torch.equal(res.logits, full.logits)

@@ -208,49 +208,8 @@ def test_directives_become_splice_calls(engine_b, prompts):
     assert info["gap_fills"] == 0, info
 
 
-def test_claim_rules():
-    """What the connector claims from a plan (pure, no engine): contiguous with vLLM's hit,
-    recompute gaps bridged, block-aligned, at most n - 1, nothing at or after a forget edit."""
-    from sidecar.registry.plan import Fidelity, LookupPlan, SegmentKind
-
-    from clients.vllm.claim import claim, store_chunks
-
-    def plan(rows, bounds=()):
-        import numpy as np
-
-        flat = []
-        for k, s, e, h, o, p, f in rows:
-            flat += [int(k), s, e, h, o, p, int(f)]
-        return LookupPlan.from_flat(flat, chunk_bounds=np.asarray(bounds, dtype=np.uint32))
-
-    H, P, E = SegmentKind.CHUNK_HIT, SegmentKind.PREFILL, SegmentKind.ENGINE_PREFIX
-    X, A, N = Fidelity.EXACT, Fidelity.APPROXIMATE, Fidelity.NONE
-    # engine prefix 64, exact hit to 200, recompute gap [200, 204) then a shifted chunk to 400, a real gap, a hit
-    p = plan([(E, 0, 64, 0, 0, 0, N), (H, 64, 200, 11, 64, 0, X), (P, 200, 204, 0, 0, 0, N),
-              (H, 204, 400, 22, 4, 150, A), (P, 400, 500, 0, 0, 0, N), (H, 500, 700, 33, 0, 300, A)],
-             bounds=(0, 200, 400, 500, 700))
-    c = claim(p, local=64, n=700, block_size=32)
-    assert (c.local, c.end, c.bridged) == (64, 384, 4)
-    assert [(i.chunk_hash, i.row, i.start, i.end) for i in c.items] == [(11, 64, 64, 200), (22, 0, 200, 384)]
-    assert c.items[1].target_pos == 200 and (c.gap_start, c.gap_end) == (400, 500)
-    c = claim(p, local=64, n=700, block_size=32, bridge_recompute=False)
-    assert c.end == 192 and c.bridged == 0
-    c = claim(p, local=64, n=700, block_size=32, limit=300)
-    assert c.end == 288 and c.gap_end == 700
-    assert claim(p, local=0, n=700, block_size=32).tokens == 0  # a plan ENGINE_PREFIX vLLM does not hold
-    assert claim(p, local=416, n=700, block_size=32).tokens == 0  # inside a gap
-    tail = plan([(E, 0, 64, 0, 0, 0, N), (H, 64, 130, 5, 0, 64, X)], bounds=(64, 130))
-    assert claim(tail, local=64, n=130, block_size=32).end == 128  # n - 1 = 129, cut to the block
-    # Store: not the chunks with loaded shifted rows, not the chunks the sidecar serves whole
-    c = claim(p, local=64, n=700, block_size=32)
-    assert store_chunks(p, c, n=700) == [(400, 500)]  # the gap vLLM computes
-    q = plan([(P, 0, 300, 0, 0, 0, N), (H, 300, 400, 7, 0, 100, A)], bounds=(0, 100, 300, 400))
-    assert store_chunks(q, None, n=400) == [(0, 100), (100, 300)]
-    assert store_chunks(q, None, n=400, skip_tail=True) == [(0, 100), (100, 300)]
-
-
 def test_admission_holds_a_request_a_hard_claim_blocks(model_dir, prompts):
-    """Resident claims on vLLM (clients/vllm/admission.py): a hard claim larger than vLLM's pool
+    """Resident claims on vLLM (clients/vllm/admit_gate.py): a hard claim larger than vLLM's pool
     makes the sidecar refuse the request's active blocks; the connector holds the request
     (vLLM's "ask again") and re-asks until ``admit_max_wait_s``, then serves it, because vLLM has
     no connector API to reject a request. The answer names the blocking claim and carries the

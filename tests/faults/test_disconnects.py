@@ -1,4 +1,4 @@
-"""1,000 clients that go away mid-stream leave nothing behind (issue 13, faults).
+"""1,000 clients that go away mid-stream leave nothing behind.
 
 100 client channels make 10 calls each over real gRPC: Store streams abandoned mid-payload
 (cancelled, or the whole channel closed under them), Fetch streams cancelled after their first
@@ -17,8 +17,9 @@ import types
 
 import grpc
 
-from sidecar.client import SidecarClient, _fetch_request
-from sidecar.server import create_server
+from sidecar.api.kv import fetch_request
+from sidecar.client import SidecarClient
+from sidecar.app import create_server
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 from tests.claims.helpers import BLOCK, IDENT, LAYOUT, blocks, config, store
@@ -60,7 +61,7 @@ async def test_a_thousand_clients_vanishing_mid_stream_leave_nothing(tmp_path) -
             await store(c, kept)
             plan = await c.lookup(kept, identity=IDENT)
             items = [(s.chunk_hash, s.start) for s in plan.hits()]
-            fetch_req = _fetch_request(IDENT, LAYOUT, None, items, True)
+            fetch_req = fetch_request(IDENT, LAYOUT, None, items, True)
             sess = await c.open_session(kept, block_size=BLOCK, identity=IDENT, held=True)
         before = state(server)
         opened = {"store": 0, "fetch": 0, "session": 0}
@@ -114,7 +115,7 @@ async def test_a_thousand_clients_vanishing_mid_stream_leave_nothing(tmp_path) -
         await _quiesce(server)
         assert _live_handlers() == 0
         assert server.dataplane.store.pins_in_flight() == 0
-        assert server.servicer.limits._inflight.get("default", 0) == 0
+        assert server.edge.limits._inflight.get("default", 0) == 0
         assert state(server) == before  # no abandoned Store registered or stored anything
         async with SidecarClient(target, tenant="default") as c:  # locks free, data intact
             fresh = blocks(4, 90_000)

@@ -1,4 +1,4 @@
-"""The disk tier's filesystem fills up (issue 13, faults).
+"""The disk tier's filesystem fills up.
 
 The disk tier sits on a real 2 MiB tmpfs while the sidecar believes it has 64 MiB, so demotions
 from the 512 KiB CPU tier hit ENOSPC. Expected: no RPC fails and nothing crashes; every chunk a

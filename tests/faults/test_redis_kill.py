@@ -1,4 +1,4 @@
-"""Redis SIGKILLed and restarted under load (issue 13, faults).
+"""Redis SIGKILLed and restarted under load.
 
 Two ``kv-sidecar serve`` processes share one registry and one remote tier, both on a real
 redis-server that the test SIGKILLs and starts again (same port, empty). Eight clients keep
@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar.client import SidecarClient
-from sidecar.server import REGISTRY_HEALTH_NAME
+from sidecar.app import REGISTRY_HEALTH_NAME
 from tests.conftest import ANCHORS
 from tests.faults.helpers import IDENT, LAYOUT, SidecarProc, payloads, prompt, store_prompt
 

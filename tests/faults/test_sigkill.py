@@ -1,4 +1,4 @@
-"""SIGKILL in the middle of traffic, then a restart on the same disk (issue 13, faults).
+"""SIGKILL in the middle of traffic, then a restart on the same disk.
 
 A real ``kv-sidecar serve`` process with a 1 MiB CPU tier in front of a disk tier and the
 manifest producer on takes concurrent Stores (with KV) and Splice commits on a held session; it

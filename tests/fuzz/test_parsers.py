@@ -1,4 +1,4 @@
-"""Fuzzing the in-process parsers and planners (issue 13, Deliver 2): the chunker, the Lookup
+"""Fuzzing the in-process parsers and planners: the chunker, the Lookup
 planner, directive validation and splice planning, manifest lines and configuration loading.
 
 Each target gets malformed, huge and adversarial input. The contract checked: caller mistakes
@@ -20,9 +20,10 @@ from sidecar.directives import Directive, SessionId, SessionMirror, plan_splice
 from sidecar.errors import InvalidArgument
 from sidecar.identity import CacheIdentity
 from sidecar.manifests.format import encode_line, parse_line
+from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
 from sidecar.registry.chunker import ChunkerConfig, chunk_tokens, chunk_tokens_reference
-from sidecar.registry.index import ChunkIndex, LookupQuery
-from sidecar.registry.registry import EntryState, InMemoryRegistry, RegistryConfig
+from sidecar.registry.entry import EntryState
+from sidecar.registry.registry import InMemoryRegistry, RegistryConfig
 from tests.conftest import ANCHORS
 from tests.fuzz.conftest import examples
 

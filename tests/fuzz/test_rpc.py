@@ -1,4 +1,4 @@
-"""Fuzzing every RPC's decoding over real gRPC on loopback (issue 13, Deliver 2).
+"""Fuzzing every RPC's decoding over real gRPC on loopback.
 
 A real sidecar runs on its own event loop in a thread (hypothesis drives plain functions, so the
 calls are synchronous raw-bytes calls: no client-side encoding or validation). Two tenants: the
@@ -30,7 +30,7 @@ from sidecar.client import SyncSidecarClient
 from sidecar.config import AuthConfig
 from sidecar.tiers import StoreConfig
 from sidecar.v1 import sidecar_pb2 as pb
-from sidecar.wire import identity_to_wire
+from sidecar.api.kv import identity_to_wire
 from tests.conftest import make_config
 from tests.fuzz.conftest import examples
 from tests.test_dataplane import IDENT, LAYOUT, payloads_for
@@ -87,7 +87,7 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live():
-    from sidecar.server import create_server
+    from sidecar.app import create_server
     from tests.conftest import ANCHORS, message
 
     loop = asyncio.new_event_loop()
@@ -205,7 +205,7 @@ def identities(draw):
 @st.composite
 def layouts(draw):
     if draw(st.booleans()):
-        from sidecar.wire import layout_to_wire
+        from sidecar.api.kv import layout_to_wire
 
         return layout_to_wire(LAYOUT)
     parts = [pb.KVPart(name=draw(st.text(max_size=4)), shape=draw(st.lists(u32, max_size=3)),
@@ -280,7 +280,7 @@ def test_adversarial_valid_messages(live, data) -> None:
 @settings(max_examples=examples(60))
 @given(data=st.data())
 def test_adversarial_store_streams(live, data) -> None:
-    from sidecar.wire import layout_to_wire
+    from sidecar.api.kv import layout_to_wire
 
     t = live.victim_tokens
     header = pb.StoreHeader(tokens=data.draw(token_bytes(t)), identity=data.draw(identities()),
@@ -307,7 +307,7 @@ def test_colliding_keys_do_not_cross_tenants(live) -> None:
         code, (raw,) = live.call(method, msg.SerializeToString())
         assert code is grpc.StatusCode.OK
         assert (pb.EvictResponse if method == "Evict" else pb.DeleteResponse).FromString(raw).ListFields() == []
-    from sidecar.wire import layout_to_wire
+    from sidecar.api.kv import layout_to_wire
 
     fetch = pb.FetchRequest(identity=identity_to_wire(IDENT), layout=layout_to_wire(LAYOUT), raw=True,
                             items=[pb.FetchItem(chunk_hash=k) for k in live.victim_keys])

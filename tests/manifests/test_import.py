@@ -13,7 +13,7 @@ from sidecar.client import SidecarClient, SyncSidecarClient
 from sidecar.config import AuthConfig
 from sidecar.errors import PermissionDenied
 from sidecar.manifests.config import ManifestsConfig
-from sidecar.server import ServerThread, create_server
+from sidecar.app import ServerThread, create_server
 from tests.conftest import make_config, message
 
 OPERATOR = "operator"

@@ -15,7 +15,7 @@ from sidecar.client import SidecarClient
 from sidecar.manifests import ManifestWriter, encode_line, merge, read_lines, rotated_paths
 from sidecar.manifests.config import ManifestsConfig
 from sidecar.manifests.format import ManifestEntry, chunk_key, parse_line
-from sidecar.server import create_server
+from sidecar.app import create_server
 from tests.conftest import make_config, message
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +93,7 @@ import sys, numpy as np
 from sidecar.identity import CacheIdentity
 from sidecar.manifests import ManifestProducer, ManifestsConfig
 from sidecar.manifests.format import chunk_key
-from sidecar.registry.registry import ChunkEntry
+from sidecar.registry.entry import ChunkEntry
 ident = CacheIdentity(model_id="crash")
 p = ManifestProducer(ManifestsConfig(path=sys.argv[1], flush_interval_s=0.001, max_bytes=1 << 30))
 rng = np.random.default_rng(0)

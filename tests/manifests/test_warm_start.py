@@ -15,7 +15,7 @@ from sidecar.client import SyncSidecarClient
 from sidecar.config import AuthConfig
 from sidecar.manifests import merge, read_lines, stream
 from sidecar.manifests.config import ManifestsConfig
-from sidecar.server import ServerThread
+from sidecar.app import ServerThread
 from sidecar.tiers import StoreConfig
 from tests.conftest import ANCHOR_BASE, make_config
 

@@ -19,11 +19,10 @@ import numpy as np
 import pytest
 
 from sidecar.identity import SHARED_SCOPE, CacheIdentity
+from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
 from sidecar.registry.chunker import ChunkerConfig
-from sidecar.registry.index import ChunkIndex, LookupQuery
-from sidecar.registry.plan import AdmissionPolicy, RepairScope
-from sidecar.registry.registry import ChunkEntry, EntryState, InMemoryRegistry, RegistryConfig, token_digest
-from sidecar.registry.table import (
+from sidecar.registry.entry import ChunkEntry, EntryState, token_digest
+from sidecar.registry.entry_table import (
     I_LEN,
     I_NTOK,
     I_POS,
@@ -34,8 +33,10 @@ from sidecar.registry.table import (
     U_NEXT_DIGEST,
     U_PREFIX,
     U_PREV,
-    RegistryTable,
+    EntryTable,
 )
+from sidecar.registry.lookup_plan import AdmissionPolicy, RepairScope
+from sidecar.registry.registry import InMemoryRegistry, RegistryConfig
 from sidecar.registry.seeds import SEED_TOKENS, seed_key, unpack, windows
 from tests.conftest import ANCHOR_BASE, ANCHORS
 
@@ -65,7 +66,7 @@ def check_mirror(reg: InMemoryRegistry) -> None:
     check_seed_map(table)
 
 
-def check_seed_map(table: RegistryTable) -> None:
+def check_seed_map(table: EntryTable) -> None:
     """Every seed names a live slot whose tokens hold that window at that row, in that scope."""
     used = np.flatnonzero(table.sd_val >= 0)
     assert len(used) == table.ctr[5] and 2 * len(used) <= len(table.sd_val)
@@ -98,7 +99,7 @@ class Twin:
         self.ref = ChunkIndex(CHUNKER, InMemoryRegistry(RegistryConfig(**config)))
         self.cmp = ChunkIndex(CHUNKER, InMemoryRegistry(RegistryConfig(**config)))
         bits = self.cmp.registry.table.seed_bits
-        self.cmp.registry.table = RegistryTable(8, bits)  # tiny: long probe chains, regrowth, rehashing
+        self.cmp.registry.table = EntryTable(8, bits)  # tiny: long probe chains, regrowth, rehashing
         self.seqs: list[np.ndarray] = []
 
     def both(self, fn):
@@ -328,7 +329,7 @@ def test_window_guard_uses_the_reference(rng):
 def test_mirror_follows_inserts_deletes_and_compaction():
     """Hash table probe chains, deletion by backward shift, slot reuse, arena compaction."""
     reg = InMemoryRegistry(RegistryConfig(capacity_entries=50))
-    reg.table = RegistryTable(8)
+    reg.table = EntryTable(8)
     rng = np.random.default_rng(3)
     # keys equal in their low bits: one probe chain
     keys = [int(k) << 40 | 5 for k in rng.permutation(1000)[:300]]

@@ -1,4 +1,4 @@
-"""Hit extension and coalesced plans over real gRPC, with KV payloads (issue 14, items 2 and 3).
+"""Hit extension and coalesced plans over real gRPC, with KV payloads.
 
 The "model" is a full prefill whose KV rows are a function of (token, position) only: V holds
 the token id (exactly, in fp32) and the position it was computed at; K is a per-token random
@@ -16,9 +16,9 @@ import torch
 
 from sidecar.client import SidecarClient
 from sidecar.identity import CacheIdentity, KVLayout
-from sidecar.registry.plan import CARVE_OUT_TOKENS, FetchSpec, Fidelity, SegmentKind
+from sidecar.registry.lookup_plan import CARVE_OUT_TOKENS, FetchSpec, Fidelity, SegmentKind
 from sidecar.rotation import RopeSpec, rotate_keys
-from sidecar.server import create_server
+from sidecar.app import create_server
 from sidecar.tiers import StoreConfig
 from sidecar.tiers.codec import decode_payload, encode_payload
 from tests.conftest import ANCHORS, make_config, message, text
@@ -214,8 +214,8 @@ async def test_short_hits_fold_into_prefill_and_extension_needs_stored_kv(rng, s
 
 
 def test_min_hit_tokens_folds_short_segments(rng, identity):
+    from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
     from sidecar.registry.chunker import ChunkerConfig
-    from sidecar.registry.index import ChunkIndex, LookupQuery
     from sidecar.registry.registry import InMemoryRegistry, RegistryConfig
 
     short = message(rng, 20, ANCHORS[2])  # a 21-token message: one chunk (anchors always cut)
@@ -273,8 +273,8 @@ async def test_one_fetch_item_per_hit_segment(rng, sidecar_target):
 def test_a_hit_covering_the_whole_request_is_never_folded(rng, identity):
     """An 8-token request stored whole (SGLang HiCache names its pages with 8 tokens) is a hit
     even though 8 < registry.min_hit_tokens: folding it would prefill the whole request."""
+    from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
     from sidecar.registry.chunker import ChunkerConfig
-    from sidecar.registry.index import ChunkIndex, LookupQuery
     from sidecar.registry.registry import InMemoryRegistry, RegistryConfig
 
     page = (np.arange(8, dtype=np.uint32) * 7919 + 3) | np.uint32(0x80000000)

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from sidecar.identity import SHARED_SCOPE, CacheIdentity
+from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
 from sidecar.registry.chunker import ChunkerConfig
-from sidecar.registry.index import ChunkIndex, LookupQuery
-from sidecar.registry.plan import CARVE_OUT_TOKENS, AdmissionPolicy, Fidelity, RepairScope, SegmentKind
-from sidecar.registry.registry import EntryState, InMemoryRegistry, RegistryConfig
+from sidecar.registry.entry import EntryState
+from sidecar.registry.lookup_plan import CARVE_OUT_TOKENS, AdmissionPolicy, Fidelity, RepairScope, SegmentKind
+from sidecar.registry.registry import InMemoryRegistry, RegistryConfig
 from tests.conftest import ANCHORS, message
 
 HIT, PREFILL, PREFIX = SegmentKind.CHUNK_HIT, SegmentKind.PREFILL, SegmentKind.ENGINE_PREFIX

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.registry.registry import ENTRY_OVERHEAD_BYTES, ChunkEntry, ChunkHash, InMemoryRegistry, RegistryConfig
+from sidecar.registry.entry import ENTRY_OVERHEAD_BYTES, ChunkEntry, ChunkHash
+from sidecar.registry.registry import InMemoryRegistry, RegistryConfig
 
 
 def entry(key: int, ntok: int = 4, scope: str = "t", fill: int | None = None) -> ChunkEntry:

@@ -1,4 +1,4 @@
-"""Seed hits (issue 14, item 3): text moved without a chunk cut of its own is found through
+"""Seed hits: text moved without a chunk cut of its own is found through
 16-token seed windows, extended to its edges, served from the right stored rows, and never
 across a scope or an identity. The compiled planner and the reference agree on all of it
 (``test_compiled_lookup.py`` runs them side by side with seeds on)."""
@@ -10,13 +10,14 @@ import pytest
 
 from sidecar.client import SidecarClient
 from sidecar.identity import CacheIdentity
+from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
 from sidecar.registry.chunker import ChunkerConfig
-from sidecar.registry.index import ChunkIndex, LookupQuery
-from sidecar.registry.plan import AdmissionPolicy, Fidelity
-from sidecar.registry.registry import EntryState, InMemoryRegistry, RegistryConfig
+from sidecar.registry.entry import EntryState
+from sidecar.registry.entry_table import I_NTOK, I_POS
+from sidecar.registry.lookup_plan import AdmissionPolicy, Fidelity
+from sidecar.registry.registry import InMemoryRegistry, RegistryConfig
 from sidecar.registry.seeds import interval_bits, unpack
-from sidecar.registry.table import I_NTOK, I_POS
-from sidecar.server import create_server
+from sidecar.app import create_server
 from sidecar.tiers import StoreConfig
 from sidecar.tiers.codec import decode_payload
 from tests.conftest import ANCHORS, make_config, message, text
@@ -208,7 +209,7 @@ async def test_seed_hits_serve_the_stored_rows_over_grpc(rng, seeded_server):
                 view = decode_payload(bytearray(kv.data), LAYOUT, kv.num_tokens)
                 for layer in range(LAYOUT.num_layers):
                     assert np.array_equal(view.part(layer, "v")[:, 0, 0].numpy(), second[a:b].astype(np.float32))
-        assert metric("kv_sidecar_registry_seeds") == server.servicer.index.registry.seed_windows() > 0
+        assert metric("kv_sidecar_registry_seeds") == server.index.registry.seed_windows() > 0
         seeded = metric("kv_sidecar_lookup_seed_tokens_total", {"dry_run": "false"})
         shifted = metric("kv_sidecar_lookup_tokens_total", {"kind": "shifted", "dry_run": "false"})
         assert 0.5 * shifted < seeded <= shifted

@@ -9,9 +9,10 @@ from redis.crc import key_slot
 from sidecar.cli import main as cli_main
 from sidecar.config import load_config
 from sidecar.identity import SHARED_SCOPE, CacheIdentity
+from sidecar.registry.chunk_index import ChunkIndex
 from sidecar.registry.chunker import ChunkerConfig
-from sidecar.registry.index import ChunkIndex
-from sidecar.registry.registry import ChunkEntry, EntryState, InMemoryRegistry, RegistryConfig, token_digest
+from sidecar.registry.entry import ChunkEntry, EntryState, token_digest
+from sidecar.registry.registry import InMemoryRegistry, RegistryConfig
 from sidecar.registry.shared_keys import KeySpace, SharedRecord, SharedRegistryConfig, scope_tag
 from tests.conftest import ANCHORS, message
 

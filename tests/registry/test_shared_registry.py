@@ -21,9 +21,9 @@ from prometheus_client import generate_latest
 from bench.harness import sidecar_process
 from sidecar.client import SyncSidecarClient
 from sidecar.identity import CacheIdentity, KVLayout
-from sidecar.registry.plan import SegmentKind
+from sidecar.registry.lookup_plan import SegmentKind
 from sidecar.registry.shared_keys import SharedRecord, SharedRegistryConfig
-from sidecar.server import REGISTRY_HEALTH_NAME, ServerThread
+from sidecar.app import REGISTRY_HEALTH_NAME, ServerThread
 from sidecar.tiers import StoreConfig
 from tests.conftest import ANCHORS, make_config, message
 

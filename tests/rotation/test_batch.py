@@ -1,4 +1,4 @@
-"""Batched payload rotation (``rotate_payloads_``, issue 14): one kernel call over every chunk
+"""Batched payload rotation (``rotate_payloads_``): one kernel call over every chunk
 and layer, bit-identical to rotating each rotary part on its own with ``rotate_keys``."""
 
 from __future__ import annotations

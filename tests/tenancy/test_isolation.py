@@ -10,7 +10,7 @@ import pytest
 
 from sidecar.client import SidecarClient
 from sidecar.errors import NotFound
-from sidecar.server import create_server
+from sidecar.app import create_server
 from sidecar.tiers import StoreConfig
 from tests.conftest import make_config
 from tests.test_dataplane import IDENT, LAYOUT, SPEC, conversation, store_all

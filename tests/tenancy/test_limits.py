@@ -8,12 +8,12 @@ import asyncio
 import numpy as np
 import pytest
 
-from sidecar.auth.limits import LimitsConfig, TenantLimits
+from sidecar.limits import LimitsConfig, TenantLimits
 from sidecar.client import SidecarClient
 from sidecar.config import DirectivesConfig, SidecarConfig
-from sidecar.directives import Mode
+from sidecar.directives import EditMode
 from sidecar.errors import InvalidArgument, ResourceExhausted
-from sidecar.server import create_server
+from sidecar.app import create_server
 from sidecar.tiers import StoreConfig
 from sidecar.v1 import sidecar_pb2 as pb
 from tests.conftest import make_config
@@ -53,7 +53,7 @@ async def test_tokens_per_request(rng):
 
 async def test_concurrent_streams_released_after_errors_and_cancellation():
     server, target = await serve(limits=LimitsConfig(max_concurrent_streams=1))
-    limiter = server.servicer.limits
+    limiter = server.edge.limits
     toks = np.arange(1, 101, dtype=np.uint32)
     gate = asyncio.Event()
 
@@ -167,7 +167,7 @@ async def test_forget_by_default_applies_to_amortize_directives():
                 s = await c.open_session(toks, block_size=1)
                 plan = await c.splice(s.session_id, 0, directives)
                 modes[tenant] = {e.mode for e in plan.edits}
-        assert modes == {"clinic": {Mode.FORGET}, "bank": {Mode.FORGET}, "shop": {Mode.AMORTIZE}}
+        assert modes == {"clinic": {EditMode.FORGET}, "bank": {EditMode.FORGET}, "shop": {EditMode.AMORTIZE}}
     finally:
         await server.stop(0.1)
 

@@ -10,7 +10,7 @@ from sidecar.auth.tokens import hash_token
 from sidecar.client import SidecarClient, SyncSidecarClient
 from sidecar.config import AuthConfig
 from sidecar.errors import PermissionDenied, SidecarError, Unavailable
-from sidecar.server import ServerThread, create_server
+from sidecar.app import ServerThread, create_server
 from tests.conftest import make_config
 from tests.tenancy.certs import CA
 

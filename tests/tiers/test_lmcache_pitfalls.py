@@ -20,7 +20,7 @@ from lmcache.v1.distributed.l2_adapters import create_l2_adapter
 from lmcache.v1.distributed.l2_adapters.resp_l2_adapter import RESPL2AdapterConfig
 
 from sidecar.tiers.config import RemoteEndpoint
-from sidecar.tiers.l2_tiers import L2Driver
+from sidecar.tiers.backends.l2_driver import L2Driver
 
 MiB = 1 << 20
 

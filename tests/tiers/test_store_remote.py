@@ -229,8 +229,8 @@ def test_a_replaced_connection_is_closed_before_the_next_one_opens(redis_url, na
     # calls made meanwhile fail at once instead of waiting on the close.
     import threading
 
-    from sidecar.tiers.l2_tiers import L2Driver
-    from sidecar.tiers.remote_tier import RemoteTier
+    from sidecar.tiers.backends.l2_driver import L2Driver
+    from sidecar.tiers.backends.remote import RemoteTier
 
     events: list[tuple[str, int]] = []
     release = threading.Event()
@@ -278,7 +278,7 @@ def test_the_native_client_never_connects_to_a_redis_that_is_down(restartable_re
     # native connection only after a PING from Python succeeds, and retries in the background.
     import redis
 
-    from sidecar.tiers.remote_tier import RemoteTier
+    from sidecar.tiers.backends.remote import RemoteTier
 
     url = restartable_redis.url
     opened_while: list[bool] = []

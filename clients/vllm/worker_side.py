@@ -1,0 +1,227 @@
+"""The connector's worker side: Fetch into the paged KV cache before the forward, Store after it.
+
+Runs in each vLLM worker (the model's process), called by the connector facade
+(``connector.py``)::
+
+    start-up      register_kv_caches(layers)  learn the CPU block layout (paged.py) or disable
+    each step     load(jobs.loads)            before the forward: Fetch each LoadJob's items
+                                              (rotated by the sidecar to their target positions
+                                              with the engine's RopeSpec) and scatter their rows
+                                              into the request's blocks
+                  save(jobs.stores)           after the forward: gather the StoreJobs' rows from
+                                              the paged cache and Store them (background thread
+                                              by default: ``store = "async"``)
+                  take_load_errors()          blocks whose Fetch failed: vLLM recomputes them
+
+A chunk that cannot be fetched marks its blocks failed, never the request. Imports no vLLM at
+module level (the cache-write kernel and the rotary registry are imported when first used).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from sidecar.sdk.kit import stacked_payload, stacked_view
+
+from clients.vllm.jobs import LoadJob, StoreJob
+from clients.vllm.paged import BlockLayout, PagedKV, single_threaded
+
+if TYPE_CHECKING:
+    from sidecar.sdk.kit import FailSoftLink
+
+    from clients.vllm.settings import EngineShape, Settings
+
+log = logging.getLogger("clients.vllm")
+
+
+class WorkerSide:
+    """The worker-side primitives of ``SidecarConnector`` (see the module docstring).
+    ``counters`` is shared with the facade's ``stats()``."""
+
+    def __init__(self, settings: "Settings", shape: "EngineShape", link: "FailSoftLink",
+                 counters: Counter[str] | None = None) -> None:
+        self.settings = settings
+        self.shape = shape
+        self.block_size = shape.block_size
+        self.link = link
+        self.counters: Counter[str] = Counter() if counters is None else counters
+        self.paged: PagedKV | None = None
+        self.disabled: str = ""
+        self._invalid: set[int] = set()
+        self._store_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sidecar-store")
+        self._store_futures: list[Future] = []
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ start-up
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        layers = [kv_caches[n] for n in names]
+        if len(layers) != self.shape.num_layers:
+            self._disable(f"{len(layers)} KV cache tensors for {self.shape.num_layers} layers")
+            return
+        t = layers[0]
+        H, B, D = self.shape.num_kv_heads, self.block_size, self.shape.head_size
+        if t.device.type != "cpu" or t.dim() != 4 or tuple(t.shape[1:]) != (H, B, 2 * D):
+            self._disable(f"KV cache layout {tuple(t.shape)} on {t.device} is not the CPU backend's "
+                          f"[blocks, {H}, {B}, {2 * D}] (only vLLM's CPU backend is supported yet)")
+            return
+        try:
+            layout = self._learn_layout(t.dtype)
+        except Exception as exc:  # noqa: BLE001
+            self._disable(f"could not learn the KV block layout ({type(exc).__name__}: {exc})")
+            return
+        self.paged = PagedKV(layers, layout)
+        log.info("sidecar connector (worker): %d layers, block layout %s", len(layers), layout.kind)
+
+    def _learn_layout(self, dtype: torch.dtype) -> BlockLayout:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        H, B, D = self.shape.num_kv_heads, self.block_size, self.shape.head_size
+        isa = _get_attn_isa(dtype, B, D)
+
+        def write(k, v, kc, vc, slots):
+            ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+
+        return BlockLayout.learn(write, H, B, D, dtype)
+
+    def _check_rope(self) -> None:
+        """The keys vLLM caches are rotated with its rotary embeddings' ``is_neox_style``;
+        the identity's RopeSpec must pair dims the same way."""
+        try:
+            from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
+        except ImportError:
+            return
+        styles = {bool(getattr(r, "is_neox_style", True)) for r in _ROPE_DICT.values()}
+        want = self.shape.rope.pairing.value == "half"
+        if styles and styles != {want}:
+            self._disable(f"the model's rotary embeddings use is_neox_style={sorted(styles)}, the identity "
+                          f"assumes {want}; set kv_connector_extra_config rope_is_neox_style")
+
+    def _disable(self, why: str) -> None:
+        if not self.disabled:
+            log.error("sidecar connector (worker) disabled: %s", why)
+        self.disabled = why
+        self.counters["disabled"] = 1
+
+    # ------------------------------------------------------------------ loads
+
+    def load(self, jobs: list[LoadJob]) -> None:
+        """Before the forward: every job's rows into the paged cache (failures marked)."""
+        if not jobs:
+            return
+        if "rope_checked" not in self.counters:
+            self.counters["rope_checked"] = 1
+            self._check_rope()
+        for job in jobs:
+            self._load(job)
+
+    def _fail_blocks(self, job: LoadJob, start: int, end: int) -> None:
+        B = self.block_size
+        for b in range(start // B, (end - 1) // B + 1):
+            self._invalid.add(job.block_ids[b])
+        self.counters["load_failed_tokens"] += end - start
+
+    def _load(self, job: LoadJob) -> None:
+        if self.paged is None or self.disabled:
+            for it in job.items:
+                self._fail_blocks(job, it.start, it.end)
+            return
+        t0 = time.perf_counter()
+        sh = self.shape
+        got = self.link.call("fetch", job.tenant, lambda c: c.fetch(
+            [it.fetch_item for it in job.items], identity=sh.identity, layout=sh.layout, rope=sh.rope))
+        t1 = time.perf_counter()
+        # the fetched rows of each run of contiguous items, copied into the paged cache at once
+        runs: list[tuple[int, int, list[torch.Tensor]]] = []
+        for i, it in enumerate(job.items):
+            f = got[i] if got is not None else None
+            n = len(it)
+            if f is None or not f.ok or f.num_tokens < it.row + n or not (f.rotated or f.delta == 0):
+                self._fail_blocks(job, it.start, it.end)
+                continue
+            rows = stacked_view(f.data, sh.layout, f.num_tokens)[:, :, it.row : it.row + n]
+            if runs and runs[-1][1] == it.start:
+                runs[-1] = (runs[-1][0], it.end, runs[-1][2] + [rows])
+            else:
+                runs.append((it.start, it.end, [rows]))
+            self.counters["loaded_tokens"] += n
+            self.counters["fetch_bytes"] += len(f.data)
+        block_ids = torch.tensor(job.block_ids, dtype=torch.int64)
+        with single_threaded():
+            for start, end, parts in runs:
+                rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+                self.paged.scatter(rows, block_ids, torch.arange(start, end, dtype=torch.int64))
+        self.counters["fetch_us"] += int((t1 - t0) * 1e6)
+        self.counters["scatter_us"] += int((time.perf_counter() - t1) * 1e6)
+        self.counters["loads"] += 1
+
+    def take_load_errors(self) -> set[int]:
+        """Block ids whose load failed since the last call (vLLM recomputes them)."""
+        if not self._invalid:
+            return set()
+        out, self._invalid = self._invalid, set()
+        return out
+
+    # ------------------------------------------------------------------ stores
+
+    def save(self, jobs: list[StoreJob]) -> None:
+        """After the forward: gather every job's chunks and Store them (sync or in the
+        background, per ``settings.store``)."""
+        if not jobs or self.paged is None or self.disabled:
+            return
+        if not self.link.available:
+            self.counters["stores_skipped"] += len(jobs)
+            return
+        for job in jobs:
+            t0 = time.perf_counter()
+            pos = np.concatenate([np.arange(a, b) for a, b in job.chunks])
+            payloads: dict[int, memoryview] = {}
+            with single_threaded():
+                rows = self.paged.gather(torch.tensor(job.block_ids, dtype=torch.int64), torch.from_numpy(pos))
+                i = 0
+                for a, b in job.chunks:
+                    payloads[a] = stacked_payload(rows[:, :, i : i + (b - a)])
+                    i += b - a
+            self.counters["gather_us"] += int((time.perf_counter() - t0) * 1e6)
+            if self.settings.store == "sync":
+                self._store(job, payloads)
+            else:
+                with self._lock:
+                    self._store_futures = [f for f in self._store_futures if not f.done()]
+                    self._store_futures.append(self._store_pool.submit(self._store, job, payloads))
+
+    def _store(self, job: StoreJob, payloads: dict[int, memoryview]) -> None:
+        sh = self.shape
+        t0 = time.perf_counter()
+        res = self.link.call("store", job.tenant, lambda c: c.store(
+            job.tokens, identity=sh.identity, layout=sh.layout, payloads=payloads, register_from=job.chunks[0][0]))
+        self.counters["store_us"] += int((time.perf_counter() - t0) * 1e6)
+        if res is not None:
+            self.counters["stored_chunks"] += res.chunks_stored
+            self.counters["stored_tokens"] += sum(b - a for a, b in job.chunks)
+
+    def flush(self, timeout: float | None = 60.0) -> None:
+        """Wait for background Stores."""
+        with self._lock:
+            futs = list(self._store_futures)
+        for f in futs:
+            try:
+                f.result(timeout=timeout)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def shutdown(self) -> None:
+        self.flush()
+        self._store_pool.shutdown(wait=True)

@@ -1,0 +1,11 @@
+"""The data plane: chunk KV in the tiered store, kept consistent with the registry.
+
+``plane`` (``DataPlane``: Store, sync with the tiers' events, Evict / Delete, recovery),
+``fetch`` (the Fetch path), ``held`` (held sessions: FetchSession), ``spans`` (span items of a
+Fetch: expanded to chunks, joined back), ``records`` (result types and the payload's ``aux``).
+"""
+
+from sidecar.dataplane.plane import DataPlane
+from sidecar.dataplane.records import DataPlaneCounters, FetchResult, SessionRun, StoreOutcome
+
+__all__ = ["DataPlane", "DataPlaneCounters", "FetchResult", "SessionRun", "StoreOutcome"]

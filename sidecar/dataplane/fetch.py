@@ -1,0 +1,217 @@
+"""Fetch: registry entries (scope-checked) -> tier reads in bounded windows -> rotated payloads.
+
+``FetchPath`` is the part of ``DataPlane`` that serves Fetch; it reads the plane's ``index``,
+``store`` and ``counters`` and calls its ``sync``. Results stream item by item: every
+validation error and the ``max_fetch_bytes`` refusal come with the first result; a chunk
+shared by several items is read once and kept only while needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import torch
+
+from sidecar.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from sidecar.identity import SHARED_SCOPE, CacheIdentity, KVLayout
+from sidecar.registry.entry import ChunkEntry, EntryState
+from sidecar.tiers import (
+    FetchedChunk,
+    Tier,
+    chunk_key,
+)
+
+
+from sidecar.dataplane.records import _FETCH_WINDOW_BYTES, _INLINE_ROTATION_BYTES, DataPlaneCounters, FetchResult
+
+
+class FetchPath:
+    async def fetch(
+        self,
+        tenant: str,
+        identity: CacheIdentity,
+        layout: KVLayout,
+        rope,  # RopeSpec | None
+        items: Sequence[tuple[int, int]],
+        raw: bool,
+        max_bytes: int | None = None,
+    ) -> list[FetchResult]:
+        """``fetch_stream`` collected into a list (tests, small callers)."""
+        return [r async for r in self.fetch_stream(tenant, identity, layout, rope, items, raw, max_bytes)]
+
+    async def fetch_stream(
+        self,
+        tenant: str,
+        identity: CacheIdentity,
+        layout: KVLayout,
+        rope,  # RopeSpec | None
+        items: Sequence[tuple[int, int]],
+        raw: bool,
+        max_bytes: int | None = None,
+    ) -> AsyncIterator[FetchResult]:
+        """Payloads for ``items`` in order, rotated to their target positions unless ``raw``,
+        yielded one item at a time.
+
+        An item whose chunk is unknown, belongs to another scope, or whose bytes are gone is a
+        miss (``payload`` None). Nothing is changed except tier promotions (the Lookup that
+        planned these hits already refreshed their registry recency and hit counts).
+
+        Memory: chunks are read in windows of about ``_FETCH_WINDOW_BYTES``; a chunk named by
+        several items is read once and kept only until its last item (one rotated copy per
+        distinct delta), so 4,096 copies of one chunk cost one read, not 4,096. Results that
+        share a chunk and delta share their payload: callers must not write to it.
+        ``max_bytes``: the answered payload bytes (every hit item counted) may not exceed it,
+        checked before anything is read (ResourceExhausted naming ``max_fetch_bytes``).
+        Validation errors are raised before the first result."""
+        check_layout(identity, layout)
+        reg = self.index.registry
+        per_token = layout.bytes_per_token
+        entries: dict[int, ChunkEntry] = {}
+        plan: list[tuple[int, ChunkEntry | None, int]] = []  # (hash, entry or None, delta) per item
+        total = 0
+        shifted = False
+        for h, target in items:
+            e = entries.get(h)
+            if e is None:
+                e = reg.peek(h)
+                if e is None or e.state is not EntryState.RESIDENT or e.scope not in (tenant, SHARED_SCOPE):
+                    plan.append((h, None, 0))
+                    continue
+                entries[h] = e
+            delta = target - e.source_pos
+            shifted = shifted or bool(delta)
+            total += e.num_tokens * per_token
+            plan.append((h, e, delta))
+        if shifted and not raw:
+            if rope is None:
+                raise InvalidArgument("rope: required to rotate shifted chunks (or set raw)")
+            check_rope(identity, layout, rope)
+        if max_bytes is not None and total > max_bytes:
+            raise ResourceExhausted(
+                f"max_fetch_bytes: the hits of this Fetch hold {total} payload bytes, more than {max_bytes}; "
+                "split it into smaller Fetches"
+            )
+        # Uses left of each chunk (raw payload) and of each (chunk, delta) (its rotated copy).
+        left: dict[int, int] = {}
+        left_rot: dict[tuple[int, int], int] = {}
+        for h, e, delta in plan:
+            if e is not None:
+                left[h] = left.get(h, 0) + 1
+                if delta and not raw:
+                    left_rot[(h, delta)] = left_rot.get((h, delta), 0) + 1
+        held: dict[int, FetchedChunk | None] = {}  # chunks read, kept until their last item
+        rotated: dict[tuple[int, int], torch.Tensor] = {}
+        counters = self.counters
+        try:
+            i = 0
+            while i < len(plan):
+                # The next window: items until the chunks still to read reach the window size.
+                j, want, size = i, [], 0
+                while j < len(plan) and (j == i or size < _FETCH_WINDOW_BYTES):
+                    h, e, _ = plan[j]
+                    if e is not None and h not in held and h not in want:
+                        want.append(h)
+                        size += e.num_tokens * per_token
+                    j += 1
+                if want:
+                    got = await asyncio.to_thread(self.store.get_many, [chunk_key(h) for h in want])
+                    for h, g in zip(want, got):
+                        held[h] = self._checked_chunk(entries[h], g, layout)
+                window: list[FetchResult] = []
+                to_rotate: list[FetchResult] = []
+                raw_here: set[int] = set()  # chunks whose raw payload an item of this window holds
+                for k in range(i, j):
+                    h, e, delta = plan[k]
+                    r = FetchResult(index=k)
+                    window.append(r)
+                    g = held.get(h) if e is not None else None
+                    if g is not None:
+                        r.entry, r.delta, r.tier = e, delta, g.tier.value
+                        if delta and not raw:
+                            r.rotated = True
+                            copy = rotated.get((h, delta))
+                            if copy is None:
+                                # In place when no other use of the raw payload is left, and no
+                                # earlier item of this window (not yet sent) holds it raw.
+                                own = left[h] == left_rot[(h, delta)] and h not in raw_here
+                                copy = rotated[(h, delta)] = g.payload if own else g.payload.clone()
+                                r.payload = copy
+                                to_rotate.append(r)
+                            r.payload = copy
+                        else:
+                            r.payload = g.payload
+                            raw_here.add(h)
+                    if e is not None:
+                        left[h] -= 1
+                        if not left[h]:
+                            held.pop(h, None)
+                        if delta and not raw:
+                            left_rot[(h, delta)] -= 1
+                            if not left_rot[(h, delta)]:
+                                rotated.pop((h, delta), None)
+                if to_rotate:
+                    rotary = sum(p.bytes_per_token for p in layout.parts if p.rotary) * layout.num_layers
+                    if sum(r.entry.num_tokens for r in to_rotate) * rotary <= _INLINE_ROTATION_BYTES:
+                        # ~0.1 ms of kernel work: less than the worker-thread hop would cost
+                        counters.rotated_bytes += _rotate_all(to_rotate, layout, rope, counters)
+                    else:
+                        counters.rotated_bytes += await asyncio.to_thread(_rotate_all, to_rotate, layout, rope, counters)
+                for r in window:
+                    if r.payload is None:
+                        counters.fetch_misses += 1
+                    else:
+                        counters.fetched_chunks += 1
+                        counters.fetched_bytes += r.payload.numel()
+                    yield r
+                i = j
+        finally:
+            await self.synced()
+
+    def _checked_chunk(self, e: ChunkEntry, got: FetchedChunk | None, layout: KVLayout) -> FetchedChunk | None:
+        """``got`` if it is the entry's chunk as the caller's layout reads it, else None (a miss)."""
+        # got.meta.scope: the bytes must have been stored under the entry's scope (a 64-bit key
+        # collision across scopes must not serve one tenant's KV to another).
+        if got is None or got.meta.num_tokens != e.num_tokens or got.meta.layout_fingerprint != layout.fingerprint() \
+                or got.meta.scope != e.scope:
+            if got is None and e.tier == Tier.REMOTE.value and not self.store.contains(chunk_key(e.key)):
+                # A peer's chunk (shared registry) whose remote copy is gone: stop planning it.
+                self.index.registry.set_state(e, EntryState.OBSERVED, None)
+            return None
+        return got
+
+    # ------------------------------------------------------------------ held sessions
+
+
+
+def check_layout(identity: CacheIdentity, layout: KVLayout) -> None:
+    fp = layout.fingerprint()
+    if identity.kv_layout != fp:
+        raise FailedPrecondition(
+            f"identity.kv_layout: {identity.kv_layout!r} does not match the layout's fingerprint {fp!r} "
+            "(payloads are only stored and served under an identity that names their layout)"
+        )
+
+
+def check_rope(identity: CacheIdentity, layout: KVLayout, rope) -> None:
+    if identity.rope_fingerprint and identity.rope_fingerprint != rope.fingerprint:
+        raise FailedPrecondition(
+            f"identity.rope_fingerprint: {identity.rope_fingerprint!r} does not match rope's fingerprint {rope.fingerprint!r}"
+        )
+    for part in layout.parts:
+        if part.rotary and part.shape[-1] != rope.key_dim:
+            raise InvalidArgument(
+                f"rope.key_dim: {rope.key_dim} does not match the last dim {part.shape[-1]} of rotary part {part.name!r}"
+            )
+
+
+def _rotate_all(results: list[FetchResult], layout: KVLayout, rope, counters: DataPlaneCounters) -> int:
+    """Rotate the rotary parts of each fetched payload in place by its delta (fp32 math): one
+    batched kernel call over every chunk and layer of the window (``rotate_payloads_``)."""
+    from sidecar.rotation import rotate_payloads_
+
+    done = rotate_payloads_([(r.payload, r.entry.num_tokens, r.delta) for r in results], layout, rope)
+    counters.rotation_seconds += done.seconds
+    return done.rotated_bytes
+
+

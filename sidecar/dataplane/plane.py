@@ -1,0 +1,425 @@
+"""The data plane: chunk KV in the tiered store, kept consistent with the registry.
+
+    Store(tokens, layout, payload parts)          Fetch(items = (hash, target_pos))
+      chunk tokens -> boundaries                    registry entry (scope-checked)
+      every part names a boundary; sizes checked    store.get_many (checksum-verified, promoted)
+      store.put per chunk (atomic, checksummed)     rotary parts rotated by target - source
+      registry entry -> RESIDENT (visible now)      (fp32 math, one rounding) unless raw
+
+Consistency rules (the registry always knows where a chunk's bytes are):
+
+* A registry entry is ``RESIDENT`` only while some tier holds its payload. Store events are
+  drained after every store call: a chunk evicted or lost from its last tier turns back into
+  ``OBSERVED`` (a miss for engines, never an error); demotions/promotions update ``tier``.
+* A registry entry evicted by the registry's own capacity limits takes its payload with it.
+* A Store that fails part-way (quota, capacity, a bad part) deletes what it stored itself and
+  registers nothing: the store and registry are as before the call.
+* Payloads carry ``aux`` metadata (source position, prefix digest, an xxh3-128 of the chunk's
+  tokens, left context), so a restart over a populated disk tier rebuilds the registry from
+  ``list_chunks`` and verifies recovered entries by the digest before serving them.
+
+Held sessions (docs/splice.md, "Sessions the sidecar holds")::
+
+    resolve_held(tokens, refs)                    fetch_session(span = runs of one chunk + delta)
+      chunk the session's tokens as Lookup does     store.get_many of each chunk once
+      (ChunkIndex.lookup: own scope + shared,       rows gathered per run, rotary parts rotated
+      verified, RESIDENT only) -> unbacked tokens   ONCE by position - canonical source position
+      get (chunk, row, source position)             (fp32 math, one rounding) unless raw
+
+Resident claims (``sidecar.claims``): ``claims`` is the ledger when the server has one. Every
+key a sync or Store touches is tested against ``claims.watched`` (one dict lookup) and the
+changed claimed keys are handed to ``claims.on_keys`` once per call. A Store that the tiers
+refuse because guarded (claimed) chunks fill them is refused with ``ClaimBlocked`` (blocking
+claim ids + capacity proof), after relaxing demotable claims and retrying once.
+
+Pins: Fetch copies payloads out of the tiers inside ``get_many`` (which pins and unpins in its
+own ``finally``, in a worker thread that completes even when the call is cancelled); nothing is
+pinned while the response streams, so a client that disconnects mid-Fetch leaks nothing
+(``TieredStore.pins_in_flight`` is the gauge).
+
+Store and tier calls block (memory copies, file and Redis I/O), so they run in worker threads;
+the registry is only touched on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from sidecar.claims import ClaimLedger
+from sidecar.errors import InvalidArgument, ResourceExhausted
+from sidecar.identity import SHARED_SCOPE, CacheIdentity, KVLayout
+from sidecar.registry.chunk_index import ChunkIndex
+from sidecar.registry.entry import ChunkEntry, EntryState
+from sidecar.tiers import (
+    TIER_RANK,
+    CapacityError,
+    EventKind,
+    QuotaExceededError,
+    StoreConfig,
+    TieredStore,
+    Tier,
+    chunk_key,
+)
+
+
+from sidecar.dataplane.fetch import FetchPath, check_layout
+from sidecar.dataplane.held import HeldPath
+from sidecar.dataplane.records import DataPlaneCounters, StoreOutcome, decode_aux, encode_aux
+
+logger = logging.getLogger(__name__)
+
+
+def _put_all(puts: list[Callable[[], Any]]) -> tuple[list[Any], BaseException | None]:
+    """Run ``puts`` in order (on a worker thread) until one raises: (the results, its exception
+    or None). The caller decides what an exception means (relax claims and retry, roll back)."""
+    out = []
+    for put in puts:
+        try:
+            out.append(put())
+        except BaseException as exc:  # noqa: BLE001 - handed to the event loop, which re-raises it
+            return out, exc
+    return out, None
+
+
+class DataPlane(FetchPath, HeldPath):
+    def __init__(
+        self, index: ChunkIndex, store: TieredStore | StoreConfig, *, claims: ClaimLedger | None = None,
+        publish_remote: bool = False, on_registry_eviction: Callable[[str], None] | None = None,
+    ) -> None:
+        """``store``: the tier store (or its config, to build one); ``claims``: the ledger whose
+        guards every Store and sync consults (None: no claims); ``publish_remote``: Store also
+        copies each chunk to the remote tier, for peers (shared registry);
+        ``on_registry_eviction``: called with the reason of every registry eviction (the server
+        counts them: kv_sidecar_registry_evictions_total{reason})."""
+        self.index = index
+        self.store = store if isinstance(store, TieredStore) else TieredStore(store)
+        self.counters = DataPlaneCounters()
+        self.publish_remote = publish_remote
+        self.claims = claims
+        self.on_registry_eviction = on_registry_eviction
+        self._events_dropped_seen = 0
+
+    # ------------------------------------------------------------------ consistency
+
+    def recover(self) -> int:
+        """Rebuild registry entries for chunks the tiers already hold (restart recovery)."""
+        reg = self.index.registry
+        n = 0
+        seen: set[bytes] = set()
+        for tier in self.store.tiers:  # fastest first: a chunk is registered at its fastest tier
+            for meta in self.store.list_chunks(tier):
+                if meta.key in seen:
+                    continue
+                seen.add(meta.key)
+                entry = decode_aux(meta)
+                if entry is None:
+                    logger.warning("chunk %s has no usable registry metadata; deleting it", meta.key.hex())
+                    self.store.delete([meta.key])
+                    continue
+                reg.set_state(entry, entry.state, tier.value)  # not registered yet
+                if reg.insert(entry):
+                    n += 1
+        self.sync()
+        if n:
+            logger.info("recovered %d chunks from the tiers", n)
+        return n
+
+    def _tier_of(self, key: bytes) -> str | None:
+        tier = self.store.locate(key)
+        return tier.value if tier is not None else None
+
+    def sync(self) -> None:
+        """Apply store events to the registry and registry evictions to the store. Blocks on
+        tier I/O (the deletes wait for the tiers' writer lock, held across disk and Redis I/O):
+        for startup and worker threads; coroutines ``await synced()``."""
+        dropped, touched = self._registry_drops()
+        if dropped:
+            self.store.delete(dropped)
+        self._apply_store_events(touched)
+
+    async def synced(self) -> None:
+        """``sync`` for coroutines on the event loop: the same steps in the same order, with the
+        deletes of registry-evicted payloads in a worker thread (the registry, which has already
+        dropped those entries, and the event drain stay on the loop)."""
+        dropped, touched = self._registry_drops()
+        if dropped:
+            await asyncio.to_thread(self.store.delete, dropped)
+        self._apply_store_events(touched)
+
+    def _registry_drops(self) -> tuple[list[bytes], list[int]]:
+        """Drain registry evictions: (store keys whose payload goes with them, claimed keys touched)."""
+        watched = self.claims.watched if self.claims is not None else {}
+        touched: list[int] = []
+        dropped: list[bytes] = []
+        counted = self.on_registry_eviction
+        for ev in self.index.registry.take_events():
+            dropped.append(chunk_key(ev.key))
+            if ev.key in watched:
+                touched.append(ev.key)
+            if counted is not None:
+                counted(ev.reason)
+        return dropped, touched
+
+    def _apply_store_events(self, touched: list[int]) -> None:
+        """Drain store events into the registry (state, tier); hand claimed keys to the ledger."""
+        reg = self.index.registry
+        claims = self.claims
+        watched = claims.watched if claims is not None else {}
+        counts = self.counters.events
+        for ev in self.store.take_events():
+            counts[ev.kind.value] = counts.get(ev.kind.value, 0) + 1
+            h = int.from_bytes(ev.key, "big")
+            if h in watched:
+                touched.append(h)
+            entry = reg.peek(h)
+            if entry is None:
+                continue
+            if not ev.tiers_after or ev.kind is EventKind.DELETED:
+                reg.set_state(entry, EntryState.OBSERVED, None)
+            else:
+                reg.set_state(entry, entry.state, min(ev.tiers_after, key=TIER_RANK.__getitem__).value)
+        dropped_events = self.store.stats().events_dropped
+        if dropped_events != self._events_dropped_seen:
+            self._events_dropped_seen = dropped_events
+            touched.extend(self._resync())
+        if touched:
+            claims.on_keys(touched)
+
+    def _resync(self) -> list[int]:
+        """The tier event buffer overflowed (events were lost): re-read where every chunk lives
+        from the store and correct the registry's state and tier (O(entries); rare). Returns
+        the keys whose state changed."""
+        where: dict[int, str] = {}
+        for meta in self.store.list_chunks():
+            h = int.from_bytes(meta.key, "big")
+            tier = self.store.locate(meta.key)
+            if tier is not None:
+                where[h] = tier.value
+        changed = []
+        reg = self.index.registry
+        for entry in reg.entries():
+            tier = where.get(entry.key)
+            if entry.state is EntryState.RESIDENT and tier is None:
+                reg.set_state(entry, EntryState.OBSERVED, None)
+                changed.append(entry.key)
+            elif tier is not None and (entry.state is not EntryState.RESIDENT or entry.tier != tier):
+                if entry.state is EntryState.RESIDENT:
+                    reg.set_state(entry, EntryState.RESIDENT, tier)
+                else:
+                    continue  # metadata-only entry: its KV came back only through a Store
+                changed.append(entry.key)
+        self.counters.events["resync"] = self.counters.events.get("resync", 0) + 1
+        return changed
+
+    # ------------------------------------------------------------------ store
+
+    def store_entries(
+        self, tokens: np.ndarray, data: bytes, identity: CacheIdentity, scope: str, layout: KVLayout,
+        register_from: int,
+    ) -> tuple[list[ChunkEntry], int]:
+        """The entries a Store of ``tokens`` would register (every chunk at or after
+        ``register_from``, fresh objects, nothing registered) and the end of the last one. A
+        payload part may only name one of their ``source_pos``, with ``num_tokens x
+        layout.bytes_per_token`` bytes in all. Raises FailedPrecondition if ``identity`` does
+        not name ``layout``."""
+        check_layout(identity, layout)
+        return self.index.entries(tokens, data, identity, scope, register_from=register_from)
+
+    async def store_payloads(
+        self,
+        tokens: np.ndarray,
+        data: bytes,
+        identity: CacheIdentity,
+        scope: str,
+        tenant: str,
+        layout: KVLayout,
+        payloads: dict[int, bytearray],
+        register_from: int,
+        chunked: tuple[list[ChunkEntry], int] | None = None,
+    ) -> StoreOutcome:
+        """Validate every payload against the chunking and layout, store them, then register.
+
+        ``chunked``: what ``store_entries`` returned for the same arguments (the server
+        computes it from the header, to check each part as it arrives); computed if None.
+        All-or-nothing: on any refusal the chunks this call stored are deleted again."""
+        index = self.index
+        # Entries (metadata) for every chunk past register_from, payload or not.
+        listed, end = chunked if chunked is not None else self.store_entries(
+            tokens, data, identity, scope, layout, register_from
+        )
+        entries = {e.source_pos: e for e in listed}
+        per_token = layout.bytes_per_token
+        for start, buf in payloads.items():
+            e = entries.get(start)
+            if e is None:
+                starts = sorted(entries)
+                raise InvalidArgument(
+                    f"payload.chunk_start: {start} is not a chunk boundary at or after register_from "
+                    f"(boundaries: {starts[:8]}{'...' if len(starts) > 8 else ''})"
+                )
+            expected = e.num_tokens * per_token
+            if len(buf) != expected:
+                raise InvalidArgument(
+                    f"payload.data: chunk at {start} has {len(buf)} bytes; layout x {e.num_tokens} tokens "
+                    f"needs {expected}"
+                )
+        stored: list[bytes] = []
+        tiers: dict[int, str] = {}
+        held: dict[int, ChunkEntry] = {}  # chunks the tiers already held: their copy stays canonical
+        shared_copies: set[int] = set()  # keys whose bytes the shared remote tier holds
+        order = sorted(payloads)
+        if self.claims is not None and self.claims.watched:
+            # Feasibility first: a Store that only fits by breaking accepted claims is refused
+            # whole (it would otherwise evict its own chunks and claim success).
+            peek = index.registry.peek
+            need = sum(
+                self.store.object_footprint(len(payloads[s])) for s in order
+                if (old := peek(entries[s].key)) is None or old.state is not EntryState.RESIDENT
+            )
+            if need:
+                self.claims.check_store(tenant, need)
+        puts = [
+            functools.partial(
+                self.store.put, chunk_key(entries[start].key), payloads[start], layout=layout,
+                num_tokens=entries[start].num_tokens, tenant=tenant, scope=scope,
+                source_position=entries[start].source_pos, aux=encode_aux(entries[start]), publish=self.publish_remote,
+            )
+            for start in order
+        ]
+
+        def took(start: int, result: Any) -> None:
+            if result.published:
+                shared_copies.add(entries[start].key)
+            if result.stored:
+                stored.append(result.key)
+            else:
+                meta = self.store.meta(result.key)
+                canonical = decode_aux(meta) if meta is not None else None
+                if canonical is not None:
+                    held[start] = canonical
+            tiers[start] = result.tier.value
+
+        try:
+            i = 0
+            while i < len(order):
+                # The chunks in one worker-thread job until one fails: one hand-off per Store,
+                # not one per chunk (each costs the event loop and the worker the GIL twice).
+                results, exc = await asyncio.to_thread(_put_all, puts[i:])
+                for result in results:
+                    took(order[i], result)
+                    i += 1
+                if exc is None:
+                    break
+                if not isinstance(exc, CapacityError) or self.claims is None:
+                    raise exc
+                await self.synced()  # guards may have moved chunks: the ledger must see where they are
+                verdict = self.claims.store_refusal(exc, tenant, sum(self.store.object_footprint(len(payloads[s])) for s in order))
+                if verdict is True:
+                    took(order[i], await asyncio.to_thread(puts[i]))  # demotable claims relaxed: once more
+                    i += 1
+                elif verdict is False:
+                    raise exc
+                else:
+                    raise verdict from exc
+        except QuotaExceededError as exc:
+            await self._rollback(stored)
+            raise ResourceExhausted(f"limits.max_bytes (tenant quota): {exc}") from exc
+        except CapacityError as exc:
+            await self._rollback(stored)
+            raise ResourceExhausted(f"capacity: {exc}") from exc
+        except ResourceExhausted:
+            await self._rollback(stored)
+            raise
+        except BaseException:
+            await self._rollback(stored)
+            raise
+        # Register on the loop thread: visible to the very next Lookup.
+        reg = index.registry
+        registered = refreshed = 0
+        new: list[ChunkEntry] = []
+        for start, e in entries.items():
+            old = reg.peek(e.key)
+            if start in tiers:
+                canonical = held.get(start)
+                if canonical is not None:
+                    # The tiers kept an earlier copy: the entry must describe where THAT copy was
+                    # computed, or Fetch would rotate it by the wrong delta.
+                    reg.update(e, source_pos=canonical.source_pos, prefix_digest=canonical.prefix_digest,
+                               left_context=canonical.left_context)
+                reg.set_state(e, EntryState.RESIDENT, tiers[start])
+                if old is not None and reg.matches(old, e.tokens) and (
+                    old.state is not EntryState.RESIDENT or canonical is not None
+                ):
+                    # An OBSERVED entry may have been registered at another position: the payload
+                    # just stored (or the one the tiers held) is the canonical copy now.
+                    reg.update(old, source_pos=e.source_pos, prefix_digest=e.prefix_digest, left_context=e.left_context)
+                    reg.set_state(old, EntryState.RESIDENT, tiers[start])
+            if reg.insert(e):
+                registered += 1
+                new.append(e)
+            else:
+                refreshed += 1
+        index.announce(identity, new)
+        await self.synced()
+        if self.claims is not None:
+            watched = self.claims.watched
+            mine = [e.key for e in entries.values() if e.key in watched]
+            if mine:
+                self.claims.on_keys(mine)
+        if index.publisher is not None:
+            index.publisher.publish([reg.peek(e.key) for e in entries.values()], shared_copies)
+        nbytes = sum(len(payloads[s]) for s in tiers)
+        self.counters.stored_chunks += len(tiers)
+        self.counters.stored_bytes += nbytes
+        out_bounds = (*entries, end) if entries else ()
+        return StoreOutcome(len(entries), registered, refreshed, len(tiers), out_bounds, nbytes)
+
+    async def _rollback(self, keys: list[bytes]) -> None:
+        if keys:
+            await asyncio.to_thread(self.store.delete, keys)
+            self.store.take_events()
+
+    # ------------------------------------------------------------------ fetch
+
+    def owned_keys(self, tenant: str, hashes: Sequence[int], may_write_shared: bool) -> list[int]:
+        reg = self.index.registry
+        out = []
+        for h in hashes:
+            e = reg.peek(h)
+            if e is not None and (e.scope == tenant or (e.scope == SHARED_SCOPE and may_write_shared)):
+                out.append(h)
+        return out
+
+    async def evict(self, hashes: Sequence[int], tier: str) -> int:
+        keys = [chunk_key(h) for h in hashes]
+        if tier:
+            t = Tier(tier)
+            keys = [k for k in keys if t in self.store.tiers_of(k)]
+        n = await asyncio.to_thread(self.store.evict, keys) if keys else 0
+        await self.synced()
+        return n
+
+    async def delete(self, hashes: Sequence[int]) -> int:
+        reg = self.index.registry
+        n = 0
+        gone = [(h, e.scope) for h in hashes if (e := reg.peek(h)) is not None]
+        for h in hashes:
+            if reg.delete(h):
+                n += 1
+        if gone and self.index.publisher is not None:
+            self.index.publisher.unpublish(gone)
+        await asyncio.to_thread(self.store.delete, [chunk_key(h) for h in hashes])
+        reg.take_events()
+        await self.synced()
+        return n
+
+    def close(self) -> None:
+        self.store.close()
+
+

@@ -1,0 +1,444 @@
+"""The data-plane RPCs: Lookup, Store, Fetch, Evict, Delete, Stats, Ping.
+
+Thin handlers: resolve the tenant (``Edge``), convert the wire request (``sidecar.api.kv``),
+call the domain (``ChunkIndex`` for plans and registration, ``DataPlane`` for payloads), convert
+the result back and count it. A request that fails validation changes nothing. With a shared
+(Redis) registry, a Lookup first fills the local near cache from it (``SharedRegistry.fill``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import numpy as np
+
+from sidecar import __version__
+from sidecar.api.frames import Framer
+from sidecar.api.kv import (
+    layout_from_wire,
+    lookup_plan_to_wire,
+    policy_from_wire,
+    repair_from_wire,
+    rope_from_wire,
+    tokens_from_wire,
+)
+from sidecar.claims import ClaimLedger
+from sidecar.config import SidecarConfig
+from sidecar.dataplane import DataPlane
+from sidecar.dataplane.spans import SpanResult, regroup
+from sidecar.dataplane.spans import check as check_spans
+from sidecar.dataplane.spans import expand as expand_spans
+from sidecar.errors import FailedPrecondition, InvalidArgument
+from sidecar.identity import SHARED_SCOPE
+from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
+from sidecar.registry.lookup_plan import AdmissionPolicy, FetchSpec
+from sidecar.registry.shared import SharedRegistry
+from sidecar.server.edge import Edge, rpc, streaming
+from sidecar.shm import ShmWriter
+from sidecar.tiers import TIER_NAMES
+from sidecar.v1 import sidecar_pb2 as pb
+
+_PING = pb.PingResponse()
+
+#: tenants whose Lookup totals Stats keeps (least recently active dropped past it)
+_TENANT_TOTALS = 4096
+
+
+class KVHandlers:
+    """Lookup / Store / Fetch / Evict / Delete / Stats / Ping. ``shared`` is the Redis registry
+    in front of which the local one is a near cache (None: embedded registry only); ``claims``
+    guards Evict and Delete of chunks a live protecting claim holds."""
+
+    def __init__(self, edge: Edge, config: SidecarConfig, index: ChunkIndex, dataplane: DataPlane,
+                 claims: ClaimLedger, shared: SharedRegistry | None) -> None:
+        self.edge = edge
+        self.config = config
+        self.index = index
+        self.dataplane = dataplane
+        self.claims = claims
+        self.shared = shared
+        self.metrics = edge.metrics
+        self.started = time.time()
+        self._lookup_counters = {}
+        self.totals = {"lookups": 0, "lookup_tokens": 0, "prefix": 0, "exact": 0, "shifted": 0, "prefill": 0}
+        #: the same per tenant (its own Stats), least recently active dropped past the bound
+        self.tenant_totals: OrderedDict[str, dict[str, int]] = OrderedDict()
+
+    # ------------------------------------------------------------------------------ Lookup
+
+    @rpc
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupPlan:
+        t0 = time.perf_counter()
+        tenant = self.edge.tenancy.resolve(context)
+        query = self._lookup_query(request, tenant)
+        shared = self.shared
+        chunks = await shared.fill(self.index, query) if shared is not None else None
+        plan = self.index.lookup(query, chunks)
+        msg = lookup_plan_to_wire(plan)
+        self._count_lookup(query, plan.summary, plan.seed_tokens)
+        m = self.metrics
+        m.lookup_hit_segment_tokens.observe_many(plan.hit_segment_tokens)
+        m.lookup_seconds.observe(time.perf_counter() - t0)
+        return msg
+
+    def _lookup_query(self, request: pb.LookupRequest, tenant: str) -> LookupQuery:
+        cfg = self.config
+        data = request.tokens  # each read of a bytes field copies it
+        tokens = tokens_from_wire(data, "tokens", cfg.max_prompt_tokens)
+        self.edge.limits.check_tokens(tenant, len(tokens))
+        identity = self.edge.identities.get(request.identity, request.HasField("identity"))
+        policy = policy_from_wire(request.policy, cfg.default_policy)
+        n = len(tokens)
+        if request.engine_prefix_len > n:
+            raise InvalidArgument(f"engine_prefix_len: {request.engine_prefix_len} exceeds the prompt length {n}")
+        limit = cfg.registry.left_context_tokens
+        if request.left_context_window > limit:
+            raise InvalidArgument(
+                f"left_context_window: {request.left_context_window} exceeds registry.left_context_tokens {limit}"
+            )
+        if request.recompute_tokens > cfg.chunker.max_size:
+            raise InvalidArgument(
+                f"recompute_tokens: {request.recompute_tokens} exceeds the maximum chunk size {cfg.chunker.max_size}"
+            )
+        if policy is AdmissionPolicy.EXACT:
+            if request.left_context_window or request.recompute_tokens:
+                raise InvalidArgument("policy: left_context_window / recompute_tokens apply to position_independent only")
+            window = k = 0
+        else:
+            # Unset optional fields take the server's defaults; an explicit 0 turns a guard off.
+            has = request.HasField
+            window = request.left_context_window if has("left_context_window") else cfg.default_left_context_window
+            k = request.recompute_tokens if has("recompute_tokens") else cfg.default_recompute_tokens
+        repair = repair_from_wire(request.repair_scope, cfg.default_repair_scope)
+        return LookupQuery(
+            tokens=tokens,
+            data=data,
+            identity=identity,
+            scope=tenant,
+            engine_prefix_len=request.engine_prefix_len,
+            policy=policy,
+            left_context_window=window,
+            recompute_tokens=k,
+            repair_scope=repair,
+            dry_run=request.dry_run,
+        )
+
+    def _count_lookup(self, query: LookupQuery, s: Any, seed_tokens: int = 0) -> None:
+        key = (query.policy, query.dry_run)
+        counters = self._lookup_counters.get(key)
+        if counters is None:
+            dry = "true" if query.dry_run else "false"
+            m = self.metrics
+            counters = (
+                m.lookups.labels(query.policy.value, dry),
+                *(m.lookup_tokens.labels(kind, dry) for kind in ("prefix", "exact", "shifted", "prefill")),
+                m.lookup_seed_tokens.labels(dry),
+            )
+            self._lookup_counters[key] = counters
+        lookups, prefix, exact, shifted, prefill, seeded = counters
+        lookups.inc()
+        # each inc takes a lock: adding 0 changes nothing (the children exist since .labels())
+        if s.prefix_tokens:
+            prefix.inc(s.prefix_tokens)
+        if s.exact_tokens:
+            exact.inc(s.exact_tokens)
+        if s.shifted_tokens:
+            shifted.inc(s.shifted_tokens)
+        if s.prefill_tokens:
+            prefill.inc(s.prefill_tokens)
+        if seed_tokens:
+            seeded.inc(seed_tokens)
+        tenant = query.scope  # a Lookup's scope is its tenant
+        mine = self.tenant_totals.get(tenant)
+        if mine is None:
+            mine = self.tenant_totals[tenant] = dict.fromkeys(self.totals, 0)
+            if len(self.tenant_totals) > _TENANT_TOTALS:
+                self.tenant_totals.popitem(last=False)
+        else:
+            self.tenant_totals.move_to_end(tenant)
+        for t in (self.totals, mine):
+            t["lookups"] += 1
+            t["lookup_tokens"] += s.total_tokens
+            t["prefix"] += s.prefix_tokens
+            t["exact"] += s.exact_tokens
+            t["shifted"] += s.shifted_tokens
+            t["prefill"] += s.prefill_tokens
+
+    # ------------------------------------------------------------------------------- Store
+
+    @rpc
+    async def Store(
+        self, request_iterator: AsyncIterator[pb.StoreRequest], context: grpc.aio.ServicerContext
+    ) -> pb.StoreResponse:
+        tenant = self.edge.tenancy.resolve(context)
+        header = None
+        payloads: dict[int, bytearray] = {}
+        complete: set[int] = set()
+        sizes: dict[int, int] | None = None  # chunk start -> its payload bytes (layout x tokens)
+        chunked = layout = None
+        max_chunk = self.config.max_message_bytes
+        # Read the whole stream before changing anything: a bad message anywhere leaves the
+        # registry and the tiers untouched. Each message is checked as it arrives against what
+        # the header allows (chunk boundaries, each chunk's exact size), so a bad part is
+        # refused before more is buffered and at most sum(sizes) bytes are ever held.
+        async for msg in request_iterator:
+            which = msg.WhichOneof("msg")
+            if which == "header":
+                if header is not None:
+                    raise InvalidArgument("header: sent more than once in one Store stream")
+                header = msg.header
+                self.edge.limits.check_tokens(tenant, len(header.tokens) // 4)  # before reading any payload
+                tokens = tokens_from_wire(header.tokens, "header.tokens", self.config.max_prompt_tokens)
+                identity = self.edge.identities.get(header.identity, header.HasField("identity"))
+                if header.register_from > len(tokens):
+                    raise InvalidArgument(
+                        f"header.register_from: {header.register_from} exceeds the sequence length {len(tokens)}"
+                    )
+                scope = tenant
+                if header.shared:
+                    self.edge.tenancy.check_shared_write(tenant)
+                    scope = SHARED_SCOPE
+            elif which == "payload":
+                if header is None:
+                    raise InvalidArgument("header: the first Store message must carry the header")
+                if sizes is None:
+                    if not header.HasField("layout"):
+                        raise InvalidArgument("header.layout: required when payload parts follow")
+                    layout = layout_from_wire(header.layout, "header.layout")
+                    chunked = self.dataplane.store_entries(
+                        tokens, header.tokens, identity, scope, layout, header.register_from
+                    )
+                    per_token = layout.bytes_per_token
+                    sizes = {e.source_pos: e.num_tokens * per_token for e in chunked[0]}
+                part = msg.payload
+                start = part.chunk_start
+                expected = sizes.get(start)
+                if expected is None:
+                    starts = sorted(sizes)
+                    raise InvalidArgument(
+                        f"payload.chunk_start: {start} is not a chunk boundary at or after register_from "
+                        f"(boundaries: {starts[:8]}{'...' if len(starts) > 8 else ''})"
+                    )
+                if start in complete:
+                    raise InvalidArgument(f"payload.chunk_start: chunk at {start} received after its last part")
+                buf = payloads.get(start)
+                if buf is None:
+                    buf = payloads[start] = bytearray()
+                n = len(buf) + len(part.data)
+                if n > expected:
+                    raise InvalidArgument(
+                        f"payload.data: chunk at {start} has more than the {expected} bytes its layout x tokens need"
+                    )
+                if n > max_chunk:
+                    raise InvalidArgument(f"payload.data: chunk at {start} exceeds {max_chunk} bytes")
+                buf += part.data
+                if part.last:
+                    if n != expected:
+                        raise InvalidArgument(
+                            f"payload.data: chunk at {start} has {n} bytes; its layout x tokens need {expected}"
+                        )
+                    complete.add(start)
+            else:
+                raise InvalidArgument("msg: empty StoreRequest (neither header nor payload)")
+        # grpc.aio ends the request stream of a cancelled call exactly like a half-close, and
+        # delivers the cancellation (CancelledError into this task) in a callback of its own:
+        # let it land before committing anything, or a cancelled Store would be registered.
+        await asyncio.sleep(0)
+        if context.cancelled():
+            raise asyncio.CancelledError("Store: the client cancelled before half-closing its stream")
+        if header is None:
+            raise InvalidArgument("header: Store stream carried no header")
+        incomplete = sorted(set(payloads) - complete)
+        if incomplete:
+            raise InvalidArgument(f"payload.last: chunks at {incomplete[:8]} never received their last part")
+        m = self.metrics
+        if payloads:
+            t0 = time.perf_counter()
+            out = await self.dataplane.store_payloads(
+                tokens, header.tokens, identity, scope, tenant, layout, payloads, header.register_from, chunked
+            )
+            m.store_bytes.inc(out.stored_bytes)
+            m.store_seconds.observe(time.perf_counter() - t0)
+            registered, refreshed, stored, bounds = (
+                out.chunks_registered, out.chunks_refreshed, out.chunks_stored, out.bounds
+            )
+            total = out.chunks_total
+        else:
+            result = self.index.register(tokens, header.tokens, identity, scope, register_from=header.register_from)
+            await self.dataplane.synced()
+            registered, refreshed, stored, bounds = (
+                result.chunks_registered, result.chunks_refreshed, 0, result.bounds
+            )
+            total = result.chunks_total
+        m.store_chunks.labels("registered").inc(registered)
+        m.store_chunks.labels("refreshed").inc(refreshed)
+        m.store_chunks.labels("stored").inc(stored)
+        return pb.StoreResponse(
+            chunks_total=total,
+            chunks_registered=registered,
+            chunks_refreshed=refreshed,
+            chunks_observed=total - stored,
+            chunks_stored=stored,
+            chunk_bounds=np.asarray(bounds, dtype="<u4").tobytes(),
+        )
+
+    # ------------------------------------------------------------------------------- Fetch
+
+    @streaming
+    async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchResponse]:
+        t0 = time.perf_counter()
+        shm: ShmWriter | None = None
+        try:
+            tenant = self.edge.tenancy.resolve(context)
+            shm = self.edge.open_shm(request, context)
+            identity = self.edge.identities.get(request.identity, request.HasField("identity"))
+            if not request.HasField("layout"):
+                raise InvalidArgument("layout: required")
+            layout = layout_from_wire(request.layout)
+            rope = rope_from_wire(request.rope) if request.HasField("rope") else None
+            if len(request.items) > self.config.max_fetch_items:
+                raise InvalidArgument(f"items: {len(request.items)} exceeds max_fetch_items {self.config.max_fetch_items}")
+            if any(it.num_tokens or it.next_hashes or it.row_offset for it in request.items):
+                # Span items (one per plan hit segment): expanded to per-chunk items, joined back.
+                specs = [FetchSpec(it.chunk_hash, it.target_pos, it.num_tokens, it.row_offset, tuple(it.next_hashes))
+                         for it in request.items]
+                check_spans(specs)
+                items, groups = expand_spans(specs, self.index.registry.peek)
+                if len(items) > self.config.max_fetch_items:
+                    raise InvalidArgument(f"items: {len(items)} chunks exceed max_fetch_items {self.config.max_fetch_items}")
+                results = regroup(self.dataplane.fetch_stream(
+                    tenant, identity, layout, rope, items, request.raw, self.config.max_fetch_bytes
+                ), groups, layout, as_pieces=shm is not None)  # into shared memory: gathered, not joined
+            else:
+                items = [(it.chunk_hash, it.target_pos) for it in request.items]
+                # Item by item (the data plane reads in bounded windows, duplicates once); every
+                # validation error and the max_fetch_bytes refusal come with the first result.
+                results = self.dataplane.fetch_stream(
+                    tenant, identity, layout, rope, items, request.raw, self.config.max_fetch_bytes
+                )
+            r = await anext(results, None)
+        except BaseException as exc:
+            if shm is not None:
+                shm.close()
+            if not isinstance(exc, Exception):
+                raise  # cancelled
+            await self.edge.abort("Fetch", exc, context)
+        nbytes = 0
+        try:
+            framer = Framer(self.config.fetch_part_bytes, shm)
+            while r is not None:
+                span = isinstance(r, SpanResult)
+                if r.payload is None and not (span and r.pieces):
+                    frames = framer.add(pb.FetchResponse(index=r.index, status=pb.CHUNK_STATUS_MISS, last=True), None)
+                else:
+                    if span:
+                        data = r.pieces if r.pieces else memoryview(r.payload.numpy())
+                        ntok, src = r.num_tokens, r.source_pos
+                    else:
+                        data = memoryview(r.payload.numpy())
+                        ntok, src = r.entry.num_tokens, r.entry.source_pos
+                    nbytes += len(data) if isinstance(data, memoryview) else sum(len(p) for p in data)
+                    meta = pb.FetchResponse(
+                        index=r.index, status=pb.CHUNK_STATUS_OK, num_tokens=ntok, source_pos=src,
+                        delta=r.delta, rotated=r.rotated, tier=r.tier,
+                    )
+                    frames = framer.add(meta, data)
+                for frame in frames:
+                    yield frame
+                r = None  # a chunk shared by later items is kept by the data plane only while needed
+                try:
+                    r = await anext(results, None)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a tier failing mid-stream
+                    await self.edge.abort("Fetch", exc, context)
+            for frame in framer.flush():
+                yield frame
+        finally:
+            await results.aclose()
+            self.edge.close_shm(shm)
+        m = self.metrics
+        m.fetch_bytes.inc(nbytes)
+        m.fetch_seconds.observe(time.perf_counter() - t0)
+        self.edge.ok["Fetch"].inc()
+
+    # ----------------------------------------------------------------------- Evict / Delete
+
+    @rpc
+    async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.EvictResponse:
+        tenant = self.edge.tenancy.resolve(context)
+        if request.tier and request.tier not in TIER_NAMES:
+            raise InvalidArgument(f"tier: unknown tier {request.tier!r} (one of {sorted(TIER_NAMES)})")
+        keys = self.dataplane.owned_keys(tenant, request.chunk_hashes, self.edge.tenancy.may_write_shared(tenant))
+        self._check_unclaimed(tenant, keys)
+        return pb.EvictResponse(evicted=await self.dataplane.evict(keys, request.tier))
+
+    def _check_unclaimed(self, tenant: str, keys: list[int]) -> None:
+        """Evict/Delete of a chunk a live protecting claim holds would break it silently."""
+        holders = self.claims.obligated_holders(keys)
+        if holders:
+            own = sorted(c.claim_id for c in holders if c.tenant == tenant)
+            others = len(holders) - len(own)
+            raise FailedPrecondition(
+                f"chunk_hashes: held by live claims {own}" + (f" and {others} of other tenants" if others else "")
+                + "; release or demote them first"
+            )
+
+    @rpc
+    async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
+        tenant = self.edge.tenancy.resolve(context)
+        keys = self.dataplane.owned_keys(tenant, request.chunk_hashes, self.edge.tenancy.may_write_shared(tenant))
+        self._check_unclaimed(tenant, keys)
+        return pb.DeleteResponse(deleted=await self.dataplane.delete(keys))
+
+    # ------------------------------------------------------------------------------- Stats
+
+    @rpc
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        """The caller's own share of the server (its registry entries, lookups, tier bytes);
+        the whole server for the tenants in ``auth.operators``. Another tenant's traffic and
+        usage never show in a tenant's Stats."""
+        tenant = self.edge.tenancy.resolve(context)
+        reg = self.index.registry
+        if tenant in self.config.auth.operators:
+            st = reg.snapshot_stats()
+            store_stats = await asyncio.to_thread(self.dataplane.store.stats)
+            registry = pb.RegistryStats(
+                entries=st.entries, bytes=st.bytes, capacity_entries=reg.config.capacity_entries,
+                capacity_bytes=reg.config.capacity_bytes, evictions=st.evictions, hits=st.hits,
+                verify_failures=st.verify_failures,
+            )
+            tiers = [pb.TierStats(tier=t.value, bytes=ts.used_bytes, objects=ts.objects, capacity_bytes=ts.capacity_bytes,
+                                  hits=ts.hits, misses=ts.misses) for t, ts in store_stats.tiers.items()]
+            totals, checksum_failures, pins = self.totals, store_stats.checksum_failures, self.dataplane.store.pins_in_flight()
+        else:
+            registry = pb.RegistryStats(entries=reg.scope_entries(tenant), capacity_entries=reg.config.capacity_entries,
+                                        capacity_bytes=reg.config.capacity_bytes)
+            usage = await asyncio.to_thread(self.dataplane.store.tenant_tier_usage, tenant)
+            tiers = [pb.TierStats(tier=t.value, bytes=b, objects=n) for t, (b, n) in usage.items()]
+            totals = self.tenant_totals.get(tenant) or dict.fromkeys(self.totals, 0)
+            checksum_failures = pins = 0
+        t = totals
+        return pb.StatsResponse(
+            version=__version__,
+            registry=registry,
+            lookups=t["lookups"],
+            lookup_tokens=t["lookup_tokens"],
+            recovered_prefix_tokens=t["prefix"],
+            recovered_exact_tokens=t["exact"],
+            recovered_shifted_tokens=t["shifted"],
+            prefill_tokens=t["prefill"],
+            uptime_s=time.time() - self.started,
+            tiers=tiers,
+            checksum_failures=checksum_failures,
+            pins_in_flight=pins,
+            claims_active=self.claims.live_count(tenant),
+        )
+
+    async def Ping(self, request: pb.PingRequest, context: grpc.aio.ServicerContext) -> pb.PingResponse:
+        return _PING
