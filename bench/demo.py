@@ -49,7 +49,7 @@ FIDELITY_ARMS = ("full_prefill", "exact_prefix", "sidecar", "sidecar_k0", "sidec
 
 def build(name: str, template, n: int, seed: int, *, notes_docs: int = 5):
     """Workload ``name`` with ``n`` requests (``notes_docs``: agent_meta's documents per note)."""
-    from bench.ttft import BenchWorkload, agent_meta_workload
+    from bench.ttft_workloads import BenchWorkload, agent_meta_workload
     from bench.workloads import TextPool, edit_replay, rerank, sysvar, trace_workload
 
     pool = TextPool.load()
@@ -80,7 +80,7 @@ def cut_short(tokens: np.ndarray, anchors: Sequence[int], keep: int) -> np.ndarr
 
 
 def turn_table(records) -> str:
-    from bench.ttft import ARMS
+    from bench.ttft_workloads import ARMS
 
     by = {(r.request, r.arm): r for r in records}
     turns = sorted({r.request for r in records})
@@ -161,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
     from bench.harness import sidecar_process
-    from bench.ttft import PROFILES, RotationMeter, free_port, load_bench_model, plot, run_workload, sidecar_flags, summarize
+    from bench.ttft import RotationMeter, free_port, load_bench_model, plot, run_workload, sidecar_flags, summarize
+    from bench.ttft_workloads import PROFILES
     from clients.transformers import weights_fingerprint
     from sidecar.client import SyncSidecarClient
 

@@ -56,7 +56,7 @@ class Scenario:
 
 
 def build_scenarios(template, *, quick: bool = False, seed: int = 0) -> list[Scenario]:
-    from bench.ttft import trim_header
+    from bench.ttft_workloads import trim_header
     from bench.workloads import TextPool, agent_meta, edit_replay, rerank, sysvar, trace_workload
 
     pool = TextPool.load()

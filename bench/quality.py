@@ -104,7 +104,7 @@ def _moved_call(requests: Sequence[np.ndarray], max_tokens: int) -> int | None:
 
 
 def build_scenarios(template, *, questions: int, seed: int = 0, max_tokens: int = 3600) -> list[Scenario]:
-    from bench.ttft import trim_header
+    from bench.ttft_workloads import trim_header
     from bench.workloads import TextPool, TruncateOldToolOutputs, agent_meta, edit_replay, rerank, sysvar
     from bench.workloads.traces import load_trajectories, replay
 

@@ -21,12 +21,9 @@ Results: bench/results/shared_registry.json.
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 import time
 import uuid
 from contextlib import ExitStack
-from pathlib import Path
 
 import grpc
 import numpy as np

@@ -75,7 +75,7 @@ def workloads(model: str, args: argparse.Namespace) -> list[tuple[str, str, list
     from transformers import AutoTokenizer
 
     from bench.hf_chat import HFChatTemplate
-    from bench.ttft import agent_meta_workload
+    from bench.ttft_workloads import agent_meta_workload
     from bench.workloads import TextPool, TruncateOldToolOutputs, sysvar, trace_workload
 
     tpl = HFChatTemplate(AutoTokenizer.from_pretrained(model))

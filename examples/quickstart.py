@@ -14,7 +14,8 @@ served by the reference engine (``clients.transformers.Engine``, real forward pa
    plan instead serves the records as CHUNK_HIT segments at a position delta; the Fetch
    returns their KV with the rotary keys already rotated to the new positions; the engine
    prefills only the new header, the repaired chunk starts and the question.
-3. The answer is compared with a full prefill of the same prompt (not with ``--fast``).
+3. The answer is compared with a full prefill of the same prompt (not with ``--fast``). A 135M
+   model often gets such a lookup wrong; what reuse must keep is the answer full prefill gives.
 
 With ``--target``, start the sidecar with the model's chunker anchors (SmolLM2's
 ``<|im_start|>`` is token 1; ``kv-sidecar anchors smollm2`` prints the setting)::
@@ -61,7 +62,7 @@ def reservation_records(n: int = 36, seed: int = 7) -> tuple[str, str]:
         lines.append(
             f"Reservation {code}: {rng.choice(first)} {rng.choice(last)}, flight HAT{rng.randint(1, 299):03d} "
             f"from {a} to {b} on 2024-05-{rng.randint(10, 28)}, {rng.choice(cabins)}, "
-            f"{rng.randint(0, 3)} checked bags, travel insurance: {rng.choice(['yes', 'no'])}."
+            f"checked bags: {rng.randint(0, 3)}, travel insurance: {rng.choice(['yes', 'no'])}."
         )
     return "\n".join(lines), codes[n // 2]
 
@@ -76,8 +77,8 @@ def messages(header: str, records: str, question: str) -> list[dict]:
 
 def start_sidecar(stack: ExitStack, anchors: tuple[int, ...]) -> str:
     """A sidecar on its own thread in this process (port 0: any free port), with the model's anchors."""
-    from sidecar.config import load_config
     from sidecar.app import ServerThread
+    from sidecar.config import load_config
 
     config = load_config(env={}, overrides={"port": 0, "metrics_port": -1, "grace_period_s": 0.2,
                                             "chunker.anchor_tokens": list(anchors)})

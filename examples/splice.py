@@ -96,8 +96,8 @@ def conversation(source_chars: int) -> list[dict]:
 
 def start_sidecar(stack: ExitStack, anchors: tuple[int, ...]) -> str:
     """A sidecar on its own thread in this process (port 0: any free port), with the model's anchors."""
-    from sidecar.config import load_config
     from sidecar.app import ServerThread
+    from sidecar.config import load_config
 
     config = load_config(env={}, overrides={"port": 0, "metrics_port": -1, "grace_period_s": 0.2,
                                             "chunker.anchor_tokens": list(anchors)})

@@ -45,7 +45,8 @@ from sidecar.registry.lookup_kernel import warmup as compiled_warmup
 from sidecar.registry.registry import InMemoryRegistry
 from sidecar.registry.shared import SharedRegistry
 from sidecar.server.claims import ClaimHandlers, ClaimsService
-from sidecar.server.edge import SERVICE_NAME, Edge
+from sidecar.api.service import SERVICE_NAME
+from sidecar.server.edge import Edge
 from sidecar.server.kv import KVHandlers
 from sidecar.server.manifests import ManifestHandlers, ManifestService
 from sidecar.server.metrics import Metrics

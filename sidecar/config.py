@@ -37,7 +37,7 @@ from sidecar.tiers import StoreConfig
 
 ENV_PREFIX = "KV_SIDECAR_"
 #: Variables under the prefix that are not settings: the config file, ./dev's environments, the
-#: model cache of clients.transformers.pretrained, the engine suite's server interpreter / binary.
+#: model cache of sidecar.models, the engine suite's server interpreter / binary.
 NOT_SETTINGS = frozenset(
     ENV_PREFIX + k
     for k in ("CONFIG", "VENV", "ENGINE_VENV", "MODEL_CACHE", "SERVER_PYTHON", "BIN")  # ./dev, engine tests

@@ -216,7 +216,7 @@ def test_ttft_agent_meta_with_the_real_template_trims_the_header_and_fits_the_mo
     real model's workload sizes stay under its 8192 positions."""
     from bench.demo import cut_short
     from bench.hf_chat import HFChatTemplate
-    from bench.ttft import HEADER_START, PROFILES, agent_meta_workload
+    from bench.ttft_workloads import HEADER_START, PROFILES, agent_meta_workload
     from clients.transformers import load_tokenizer
 
     try:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from sidecar import dataplane
+from sidecar.dataplane import fetch as fetch_path
 from sidecar.client import SidecarClient
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.rotation import Pairing, RopeSpec, RotaryLayout, rotate_keys
@@ -110,7 +110,7 @@ async def test_small_fetch_windows_rotate_each_window_in_one_call(served, rng, m
         hits = (await c.lookup(toks, identity=ident)).hits()
         items = [(h.chunk_hash, h.start - h.chunk_offset + 33) for h in hits]
         whole = await c.fetch(items, identity=ident, layout=layout, rope=spec)
-        monkeypatch.setattr(dataplane, "_FETCH_WINDOW_BYTES", 1)  # one chunk per window
+        monkeypatch.setattr(fetch_path, "_FETCH_WINDOW_BYTES", 1)  # one chunk per window
         rotated0 = server.dataplane.counters.rotated_bytes
         windowed = await c.fetch(items, identity=ident, layout=layout, rope=spec)
     assert [f.data for f in windowed] == [f.data for f in whole]

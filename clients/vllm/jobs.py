@@ -7,10 +7,12 @@ may cross a process boundary (pickled to the workers): plain data only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sidecar.sdk.kit import LoadItem
+if TYPE_CHECKING:
+    from sidecar.sdk.kit import LoadItem
 
 
 @dataclass(slots=True)

@@ -172,7 +172,7 @@ class PagedKV:
         H, B, D = self.layout.num_kv_heads, self.layout.block_size, self.layout.head_size
         if self.layout.kind == "kT_v":
             blks, rows, m = self._blocks(block_ids, positions)
-            whole = m * B == n  # every covered block is overwritten entirely (block-aligned claims)
+            whole = m * B == n  # every covered block is overwritten entirely (block-aligned loads)
             for li in range(self.num_layers):
                 if whole:
                     k = rows_kv[li, 0].reshape(m, B, H, D)

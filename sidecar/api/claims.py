@@ -1,4 +1,4 @@
-"""Resident claims on the wire: requests -> domain values, ``Claim`` / ``ActiveAdmission`` /
+"""Resident claims on the wire: requests -> domain values, ``Claim`` / ``AdmissionVerdict`` /
 ``ClaimEvent`` -> messages (docs/claims.md).
 
 Every function here validates what it reads and names the field in the ``InvalidArgument`` it
@@ -99,7 +99,7 @@ def decision_to_wire(decision: Decision, reason: str, info: pb.ClaimInfo) -> pb.
 
 
 def admission_to_wire(adm, tenant: str, retry_after_s: float) -> pb.AdmitActiveResponse:
-    """An ``ActiveAdmission`` as ``tenant`` may see it: its own blocking and demoted claims by
+    """An ``AdmissionVerdict`` as ``tenant`` may see it: its own blocking and demoted claims by
     id, other tenants' only as a count."""
     own = [c.claim_id for c in adm.blocking if c.tenant == tenant]
     return pb.AdmitActiveResponse(
@@ -197,3 +197,18 @@ def admit_active_request(request_id: str, active_live_blocks: int) -> pb.AdmitAc
 
 def watch_events_request(*, since_seq: int = 0, follow: bool = False) -> pb.WatchEventsRequest:
     return pb.WatchEventsRequest(since_seq=since_seq, follow=follow)
+
+
+# The messages of this area's RPCs, for the server's handlers (which import no stubs).
+AdmitActiveRequest = pb.AdmitActiveRequest
+AdmitActiveResponse = pb.AdmitActiveResponse
+ClaimDecision = pb.ClaimDecision
+ClaimEventMsg = pb.ClaimEvent  # the domain type is ClaimEvent
+ClaimInfo = pb.ClaimInfo
+ClaimRequest = pb.ClaimRequest
+DemoteClaimRequest = pb.DemoteClaimRequest
+GetClaimRequest = pb.GetClaimRequest
+ReleaseClaimRequest = pb.ReleaseClaimRequest
+ReportPoolRequest = pb.ReportPoolRequest
+ReportPoolResponse = pb.ReportPoolResponse
+WatchEventsRequest = pb.WatchEventsRequest

@@ -414,3 +414,24 @@ def ping_request() -> pb.PingRequest:
 
 #: ``FetchResponse.status`` of a chunk that was served (anything else is a miss: prefill it).
 CHUNK_OK = pb.CHUNK_STATUS_OK
+
+
+# The messages of this area's RPCs, for the server's handlers (which import no stubs).
+CHUNK_STATUS_MISS = pb.CHUNK_STATUS_MISS
+CHUNK_STATUS_OK = pb.CHUNK_STATUS_OK
+DeleteRequest = pb.DeleteRequest
+DeleteResponse = pb.DeleteResponse
+EvictRequest = pb.EvictRequest
+EvictResponse = pb.EvictResponse
+FetchRequest = pb.FetchRequest
+FetchResponse = pb.FetchResponse
+LookupPlanMsg = pb.LookupPlan  # the domain type is LookupPlan
+LookupRequest = pb.LookupRequest
+PingRequest = pb.PingRequest
+PingResponse = pb.PingResponse
+RegistryStats = pb.RegistryStats
+StatsRequest = pb.StatsRequest
+StatsResponse = pb.StatsResponse
+StoreRequest = pb.StoreRequest
+StoreResponse = pb.StoreResponse
+TierStats = pb.TierStats

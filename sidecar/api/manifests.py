@@ -57,3 +57,12 @@ def export_manifest_request(identity: CacheIdentity, *, include_shared: bool = F
 def manifest_lines_from_wire(msgs: Sequence[pb.ExportManifestResponse]) -> bytes:
     """An ExportManifest stream's messages joined: the manifest's JSONL."""
     return b"".join(m.lines for m in msgs)
+
+
+# The messages of this area's RPCs, for the server's handlers (which import no stubs).
+ExportManifestRequest = pb.ExportManifestRequest
+ExportManifestResponse = pb.ExportManifestResponse
+ImportManifestRequest = pb.ImportManifestRequest
+ImportManifestResponse = pb.ImportManifestResponse
+WarmUpPlan = pb.WarmUpPlan
+WarmUpPlanRequest = pb.WarmUpPlanRequest

@@ -354,3 +354,18 @@ def fetch_session_request(
     if rope is not None:
         req.rope.CopyFrom(rope_to_wire(rope))
     return req
+
+
+# The messages of this area's RPCs, for the server's handlers (which import no stubs).
+AbortSpliceRequest = pb.AbortSpliceRequest
+AppendSessionRequest = pb.AppendSessionRequest
+CloseSessionRequest = pb.CloseSessionRequest
+CloseSessionResponse = pb.CloseSessionResponse
+CommitSpliceRequest = pb.CommitSpliceRequest
+FetchSessionRequest = pb.FetchSessionRequest
+FetchSessionResponse = pb.FetchSessionResponse
+GetSessionRequest = pb.GetSessionRequest
+OpPlanMsg = pb.OpPlan  # the domain type is OpPlan
+OpenSessionRequest = pb.OpenSessionRequest
+SessionInfo = pb.SessionInfo
+SpliceRequest = pb.SpliceRequest

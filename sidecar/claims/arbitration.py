@@ -48,7 +48,7 @@ class PoolReport:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ActiveAdmission:
+class AdmissionVerdict:
     """The verdict on one active request against the protected residents (``arbitrate``):
     ``decision``, the capacity ``proof``, the claims ``blocking`` it (REFUSED / DEFERRED), the
     demotable claims to ``demote`` so it fits (ADMITTED), and a human-readable ``reason``."""
@@ -66,7 +66,7 @@ def protected_claims(claims, restorable) -> list[tuple[Claim, int]]:
     return [c for c in claims if c.mode.holds_pool or (c.mode is ProtectionMode.OFFLOADABLE and not restorable(c))]
 
 
-def arbitrate(pool: PoolReport, active_blocks: int, protected: list[Claim]) -> ActiveAdmission:
+def arbitrate(pool: PoolReport, active_blocks: int, protected: list[Claim]) -> AdmissionVerdict:
     bs = pool.block_size
     sized = [(c, c.blocks(bs)) for c in protected]
     resident = sum(b for _, b in sized)
@@ -83,18 +83,18 @@ def arbitrate(pool: PoolReport, active_blocks: int, protected: list[Claim]) -> A
             chosen.append(c)
             freed += b
         if chosen and freed >= need and active_blocks <= free - (resident - freed):
-            return ActiveAdmission(decision=Admit.ADMITTED, proof=proof, demote=tuple(chosen),
+            return AdmissionVerdict(decision=Admit.ADMITTED, proof=proof, demote=tuple(chosen),
                              reason=f"demotable claims relaxed to fit: {proof.text()}")
         blocking = tuple(c for c, b in sized if b > 0)
-        return ActiveAdmission(decision=Admit.REFUSED, proof=proof, blocking=blocking,
+        return AdmissionVerdict(decision=Admit.REFUSED, proof=proof, blocking=blocking,
                          reason=f"infeasible_preserve_resident_and_active: {proof.text()}")
     if active_blocks > free - resident:
         short = active_blocks - (free - resident)
-        return ActiveAdmission(
+        return AdmissionVerdict(
             decision=Admit.DEFERRED, proof=proof, blocking=tuple(c for c, b in sized if b > 0),
             reason=f"fits the pool once running requests free {short} blocks (free {free}, protected {resident})",
         )
-    return ActiveAdmission(decision=Admit.ADMITTED, proof=proof, reason="feasible")
+    return AdmissionVerdict(decision=Admit.ADMITTED, proof=proof, reason="feasible")
 
 
 def report(usable: int, free: int, block_size: int, hard: bool, engine_id: str = "") -> PoolReport:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from sidecar.claims.arbitration import ActiveAdmission, Admit, PoolReport, arbitrate, protected_claims
+from sidecar.claims.arbitration import AdmissionVerdict, Admit, PoolReport, arbitrate, protected_claims
 from sidecar.claims.config import ClaimsConfig
 from sidecar.claims.events import EventLog
 from sidecar.claims.model import (
@@ -312,7 +312,7 @@ class ClaimLedger:
         live = [c for c in self._claims.values() if c.state.live]
         return protected_claims(live, lambda c: c.materialized)
 
-    def admit(self, tenant: str, request_id: str, active_blocks: int) -> ActiveAdmission:
+    def admit(self, tenant: str, request_id: str, active_blocks: int) -> AdmissionVerdict:
         self.expire_due()
         pool = self.pool
         if pool is None:

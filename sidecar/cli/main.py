@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _anchors(model: str) -> int:
     try:
-        from clients.transformers.pretrained import load_tokenizer
+        from sidecar.models import load_tokenizer
         from sidecar.registry.anchors import anchor_token_ids
 
         tok = load_tokenizer(model)

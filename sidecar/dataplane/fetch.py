@@ -23,7 +23,13 @@ from sidecar.tiers import (
 )
 
 
-from sidecar.dataplane.records import _FETCH_WINDOW_BYTES, _INLINE_ROTATION_BYTES, DataPlaneCounters, FetchResult
+from sidecar.dataplane.records import DataPlaneCounters, FetchResult
+
+#: Fetch reads chunks in windows of about this many payload bytes (not all items at once)
+_FETCH_WINDOW_BYTES = 32 << 20
+#: Fetch windows with at most this many rotary-part bytes rotate on the event loop thread, not
+#: in a worker (a 128-token DeepSeek-V2-Lite chunk has 0.4 MiB of k_pe: ~0.06 ms of kernel)
+_INLINE_ROTATION_BYTES = 1 << 20
 
 
 class FetchPath:

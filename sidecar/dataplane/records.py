@@ -23,12 +23,7 @@ logger = logging.getLogger(__name__)
 
 _AUX = struct.Struct("<BxxxIQI16s")  # version, source_pos, prefix_digest, num_tokens, token digest
 _AUX_VERSION = 1
-#: Fetch reads chunks in windows of about this many payload bytes (not all items at once)
-_FETCH_WINDOW_BYTES = 32 << 20
 _MAX_AUX_CONTEXT = 1024 - _AUX.size
-#: Fetch windows with at most this many rotary-part bytes rotate on the event loop thread, not
-#: in a worker (a 128-token DeepSeek-V2-Lite chunk has 0.4 MiB of k_pe: ~0.06 ms of kernel)
-_INLINE_ROTATION_BYTES = 1 << 20
 
 
 def encode_aux(entry: ChunkEntry) -> bytes:

@@ -188,7 +188,7 @@ def rotate_payloads_(
 
 def _rotate_parts(items, idx: list[int], g: _RotaryGroup, spec: RopeSpec) -> int:
     """One ``rotate_keys`` per rotary part (CUDA buffers, unsupported dtypes, misaligned parts)."""
-    from sidecar.rotation import rotate_keys
+    from sidecar.rotation.dispatch import rotate_keys
 
     calls = 0
     for i in idx:

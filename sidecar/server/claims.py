@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 import numpy as np
 
+import sidecar.api.claims as wire
 from sidecar.api.claims import (
     ClaimObject,
     admission_to_wire,
@@ -28,7 +29,7 @@ from sidecar.api.claims import (
     mode_from_wire,
 )
 from sidecar.api.kv import tokens_from_wire
-from sidecar.claims import ActiveAdmission, Claim, ClaimEvent, ClaimLedger, ClaimsConfig, Decision, PoolReport
+from sidecar.claims import AdmissionVerdict, Claim, ClaimEvent, ClaimLedger, ClaimsConfig, Decision, PoolReport
 from sidecar.claims import ProtectionMode
 from sidecar.config import SidecarConfig
 from sidecar.errors import InvalidArgument
@@ -37,7 +38,6 @@ from sidecar.registry.chunk_index import ChunkIndex
 from sidecar.server.edge import Edge, rpc, streaming
 from sidecar.server.metrics import Metrics
 from sidecar.server.sessions import SpliceService
-from sidecar.v1 import sidecar_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class ClaimsService:
         """The protected resident blocks the pool must keep, after the report."""
         return self.ledger.report_pool(pool)
 
-    def admit(self, tenant: str, request_id: str, active_live_blocks: int) -> ActiveAdmission:
+    def admit(self, tenant: str, request_id: str, active_live_blocks: int) -> AdmissionVerdict:
         if active_live_blocks <= 0:
             raise InvalidArgument("active_live_blocks: must be > 0")
         adm = self.ledger.admit(tenant, request_id, active_live_blocks)
@@ -162,7 +162,7 @@ class ClaimsService:
                 return
             await log.wait(cursor)
 
-    def info(self, c: Claim) -> pb.ClaimInfo:
+    def info(self, c: Claim) -> wire.ClaimInfo:
         return claim_to_wire(c, self.ledger.expires_in(c))
 
     async def run_sweeper(self) -> None:
@@ -183,7 +183,7 @@ class ClaimHandlers:
         self.claims = claims
 
     @rpc
-    async def Claim(self, request: pb.ClaimRequest, context: grpc.aio.ServicerContext) -> pb.ClaimDecision:
+    async def Claim(self, request: wire.ClaimRequest, context: grpc.aio.ServicerContext) -> wire.ClaimDecision:
         tenant = self.edge.tenancy.resolve(context)  # claiming shared chunks needs no write grant: caps bound it
         identity = self.edge.identities.get(request.identity, True) if request.HasField("identity") else None
         cid = claim_id_from_wire(request.claim_id)
@@ -199,38 +199,38 @@ class ClaimHandlers:
         return decision_to_wire(decision, reason, self.claims.info(c))
 
     @rpc
-    async def ReleaseClaim(self, request: pb.ReleaseClaimRequest, context: grpc.aio.ServicerContext) -> pb.ClaimInfo:
+    async def ReleaseClaim(self, request: wire.ReleaseClaimRequest, context: grpc.aio.ServicerContext) -> wire.ClaimInfo:
         tenant = self.edge.tenancy.resolve(context)
         return self.claims.info(self.claims.release(tenant, claim_id_from_wire(request.claim_id)))
 
     @rpc
-    async def DemoteClaim(self, request: pb.DemoteClaimRequest, context: grpc.aio.ServicerContext) -> pb.ClaimInfo:
+    async def DemoteClaim(self, request: wire.DemoteClaimRequest, context: grpc.aio.ServicerContext) -> wire.ClaimInfo:
         tenant = self.edge.tenancy.resolve(context)
         return self.claims.info(self.claims.demote(tenant, claim_id_from_wire(request.claim_id), request.reason))
 
     @rpc
-    async def GetClaim(self, request: pb.GetClaimRequest, context: grpc.aio.ServicerContext) -> pb.ClaimInfo:
+    async def GetClaim(self, request: wire.GetClaimRequest, context: grpc.aio.ServicerContext) -> wire.ClaimInfo:
         tenant = self.edge.tenancy.resolve(context)
         return self.claims.info(self.claims.get(tenant, claim_id_from_wire(request.claim_id)))
 
     @rpc
-    async def ReportPool(self, request: pb.ReportPoolRequest, context: grpc.aio.ServicerContext) -> pb.ReportPoolResponse:
+    async def ReportPool(self, request: wire.ReportPoolRequest, context: grpc.aio.ServicerContext) -> wire.ReportPoolResponse:
         self.edge.tenancy.resolve(context)
         pool = PoolReport(usable_blocks=request.usable_blocks, free_blocks=request.free_blocks,
                           block_size=request.block_size, hard_protection=request.hard_protection,
                           engine_id=request.engine_id[:128])
-        return pb.ReportPoolResponse(protected_resident_blocks=self.claims.report_pool(pool))
+        return wire.ReportPoolResponse(protected_resident_blocks=self.claims.report_pool(pool))
 
     @rpc
-    async def AdmitActive(self, request: pb.AdmitActiveRequest, context: grpc.aio.ServicerContext) -> pb.AdmitActiveResponse:
+    async def AdmitActive(self, request: wire.AdmitActiveRequest, context: grpc.aio.ServicerContext) -> wire.AdmitActiveResponse:
         tenant = self.edge.tenancy.resolve(context)
         rid = claim_id_from_wire(request.request_id, "request_id")
         adm = self.claims.admit(tenant, rid, request.active_live_blocks)
         return admission_to_wire(adm, tenant, self.claims.config.defer_retry_s)
 
     @streaming
-    async def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
-                          ) -> AsyncIterator[pb.ClaimEvent]:
+    async def WatchEvents(self, request: wire.WatchEventsRequest, context: grpc.aio.ServicerContext
+                          ) -> AsyncIterator[wire.ClaimEventMsg]:
         tenant = self.edge.tenancy.resolve(context)
         capacity = self.claims.ledger.events.capacity
         async for ev in self.claims.watch(tenant, request.since_seq, request.follow):

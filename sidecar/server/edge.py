@@ -23,20 +23,17 @@ from typing import Any
 
 import grpc
 
-from sidecar.api.kv import IdentityCache
+from sidecar.api.kv import FetchRequest, IdentityCache
+from sidecar.api.service import METHOD_NAMES
+from sidecar.api.sessions import FetchSessionRequest
 from sidecar.errors import InvariantViolation, SidecarError, status_for
 from sidecar.limits import TenantLimiter
 from sidecar.server.metrics import Metrics
 from sidecar.server.tenancy import Tenancy
 from sidecar.shm import ShmWriter, open_writer
-from sidecar.v1 import sidecar_pb2 as pb
 
 logger = logging.getLogger("sidecar.server")
 
-SERVICE = pb.DESCRIPTOR.services_by_name["KVSidecar"]
-SERVICE_NAME = SERVICE.full_name
-#: every RPC of the service, from its descriptor (metrics children are made for each up front)
-METHOD_NAMES = tuple(m.name for m in SERVICE.methods)
 
 
 class Edge:
@@ -48,6 +45,7 @@ class Edge:
         self.metrics = metrics
         self.identities = IdentityCache()
         self.shared_memory = shared_memory
+        #: per-method children, made for every RPC up front
         self.ok = {m: metrics.requests.labels(m, "OK") for m in METHOD_NAMES}
         self._inflight = {m: metrics.inflight.labels(m) for m in METHOD_NAMES}
 
@@ -74,7 +72,7 @@ class Edge:
         trailers = exc.trailing_metadata() if isinstance(exc, SidecarError) else ()
         await context.abort(code, message, trailers)
 
-    def open_shm(self, request: pb.FetchRequest | pb.FetchSessionRequest, context: grpc.aio.ServicerContext
+    def open_shm(self, request: FetchRequest | FetchSessionRequest, context: grpc.aio.ServicerContext
                  ) -> ShmWriter | None:
         """The writer into the caller's shared-memory buffer (sidecar/shm), or None: no buffer
         named, or its payloads go inline (counted by reason)."""

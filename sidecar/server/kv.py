@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 
 from sidecar import __version__
+import sidecar.api.kv as wire
 from sidecar.api.frames import Framer
 from sidecar.api.kv import (
     layout_from_wire,
@@ -41,9 +42,8 @@ from sidecar.registry.shared import SharedRegistry
 from sidecar.server.edge import Edge, rpc, streaming
 from sidecar.shm import ShmWriter
 from sidecar.tiers import TIER_NAMES
-from sidecar.v1 import sidecar_pb2 as pb
 
-_PING = pb.PingResponse()
+_PING = wire.PingResponse()
 
 #: tenants whose Lookup totals Stats keeps (least recently active dropped past it)
 _TENANT_TOTALS = 4096
@@ -72,7 +72,7 @@ class KVHandlers:
     # ------------------------------------------------------------------------------ Lookup
 
     @rpc
-    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupPlan:
+    async def Lookup(self, request: wire.LookupRequest, context: grpc.aio.ServicerContext) -> wire.LookupPlanMsg:
         t0 = time.perf_counter()
         tenant = self.edge.tenancy.resolve(context)
         query = self._lookup_query(request, tenant)
@@ -86,7 +86,7 @@ class KVHandlers:
         m.lookup_seconds.observe(time.perf_counter() - t0)
         return msg
 
-    def _lookup_query(self, request: pb.LookupRequest, tenant: str) -> LookupQuery:
+    def _lookup_query(self, request: wire.LookupRequest, tenant: str) -> LookupQuery:
         cfg = self.config
         data = request.tokens  # each read of a bytes field copies it
         tokens = tokens_from_wire(data, "tokens", cfg.max_prompt_tokens)
@@ -173,8 +173,8 @@ class KVHandlers:
 
     @rpc
     async def Store(
-        self, request_iterator: AsyncIterator[pb.StoreRequest], context: grpc.aio.ServicerContext
-    ) -> pb.StoreResponse:
+        self, request_iterator: AsyncIterator[wire.StoreRequest], context: grpc.aio.ServicerContext
+    ) -> wire.StoreResponse:
         tenant = self.edge.tenancy.resolve(context)
         header = None
         payloads: dict[int, bytearray] = {}
@@ -278,7 +278,7 @@ class KVHandlers:
         m.store_chunks.labels("registered").inc(registered)
         m.store_chunks.labels("refreshed").inc(refreshed)
         m.store_chunks.labels("stored").inc(stored)
-        return pb.StoreResponse(
+        return wire.StoreResponse(
             chunks_total=total,
             chunks_registered=registered,
             chunks_refreshed=refreshed,
@@ -290,7 +290,7 @@ class KVHandlers:
     # ------------------------------------------------------------------------------- Fetch
 
     @streaming
-    async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchResponse]:
+    async def Fetch(self, request: wire.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[wire.FetchResponse]:
         t0 = time.perf_counter()
         shm: ShmWriter | None = None
         try:
@@ -334,7 +334,7 @@ class KVHandlers:
             while r is not None:
                 span = isinstance(r, SpanResult)
                 if r.payload is None and not (span and r.pieces):
-                    frames = framer.add(pb.FetchResponse(index=r.index, status=pb.CHUNK_STATUS_MISS, last=True), None)
+                    frames = framer.add(wire.FetchResponse(index=r.index, status=wire.CHUNK_STATUS_MISS, last=True), None)
                 else:
                     if span:
                         data = r.pieces if r.pieces else memoryview(r.payload.numpy())
@@ -343,8 +343,8 @@ class KVHandlers:
                         data = memoryview(r.payload.numpy())
                         ntok, src = r.entry.num_tokens, r.entry.source_pos
                     nbytes += len(data) if isinstance(data, memoryview) else sum(len(p) for p in data)
-                    meta = pb.FetchResponse(
-                        index=r.index, status=pb.CHUNK_STATUS_OK, num_tokens=ntok, source_pos=src,
+                    meta = wire.FetchResponse(
+                        index=r.index, status=wire.CHUNK_STATUS_OK, num_tokens=ntok, source_pos=src,
                         delta=r.delta, rotated=r.rotated, tier=r.tier,
                     )
                     frames = framer.add(meta, data)
@@ -370,13 +370,13 @@ class KVHandlers:
     # ----------------------------------------------------------------------- Evict / Delete
 
     @rpc
-    async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.EvictResponse:
+    async def Evict(self, request: wire.EvictRequest, context: grpc.aio.ServicerContext) -> wire.EvictResponse:
         tenant = self.edge.tenancy.resolve(context)
         if request.tier and request.tier not in TIER_NAMES:
             raise InvalidArgument(f"tier: unknown tier {request.tier!r} (one of {sorted(TIER_NAMES)})")
         keys = self.dataplane.owned_keys(tenant, request.chunk_hashes, self.edge.tenancy.may_write_shared(tenant))
         self._check_unclaimed(tenant, keys)
-        return pb.EvictResponse(evicted=await self.dataplane.evict(keys, request.tier))
+        return wire.EvictResponse(evicted=await self.dataplane.evict(keys, request.tier))
 
     def _check_unclaimed(self, tenant: str, keys: list[int]) -> None:
         """Evict/Delete of a chunk a live protecting claim holds would break it silently."""
@@ -390,16 +390,16 @@ class KVHandlers:
             )
 
     @rpc
-    async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
+    async def Delete(self, request: wire.DeleteRequest, context: grpc.aio.ServicerContext) -> wire.DeleteResponse:
         tenant = self.edge.tenancy.resolve(context)
         keys = self.dataplane.owned_keys(tenant, request.chunk_hashes, self.edge.tenancy.may_write_shared(tenant))
         self._check_unclaimed(tenant, keys)
-        return pb.DeleteResponse(deleted=await self.dataplane.delete(keys))
+        return wire.DeleteResponse(deleted=await self.dataplane.delete(keys))
 
     # ------------------------------------------------------------------------------- Stats
 
     @rpc
-    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+    async def Stats(self, request: wire.StatsRequest, context: grpc.aio.ServicerContext) -> wire.StatsResponse:
         """The caller's own share of the server (its registry entries, lookups, tier bytes);
         the whole server for the tenants in ``auth.operators``. Another tenant's traffic and
         usage never show in a tenant's Stats."""
@@ -408,23 +408,23 @@ class KVHandlers:
         if tenant in self.config.auth.operators:
             st = reg.snapshot_stats()
             store_stats = await asyncio.to_thread(self.dataplane.store.stats)
-            registry = pb.RegistryStats(
+            registry = wire.RegistryStats(
                 entries=st.entries, bytes=st.bytes, capacity_entries=reg.config.capacity_entries,
                 capacity_bytes=reg.config.capacity_bytes, evictions=st.evictions, hits=st.hits,
                 verify_failures=st.verify_failures,
             )
-            tiers = [pb.TierStats(tier=t.value, bytes=ts.used_bytes, objects=ts.objects, capacity_bytes=ts.capacity_bytes,
+            tiers = [wire.TierStats(tier=t.value, bytes=ts.used_bytes, objects=ts.objects, capacity_bytes=ts.capacity_bytes,
                                   hits=ts.hits, misses=ts.misses) for t, ts in store_stats.tiers.items()]
             totals, checksum_failures, pins = self.totals, store_stats.checksum_failures, self.dataplane.store.pins_in_flight()
         else:
-            registry = pb.RegistryStats(entries=reg.scope_entries(tenant), capacity_entries=reg.config.capacity_entries,
+            registry = wire.RegistryStats(entries=reg.scope_entries(tenant), capacity_entries=reg.config.capacity_entries,
                                         capacity_bytes=reg.config.capacity_bytes)
             usage = await asyncio.to_thread(self.dataplane.store.tenant_tier_usage, tenant)
-            tiers = [pb.TierStats(tier=t.value, bytes=b, objects=n) for t, (b, n) in usage.items()]
+            tiers = [wire.TierStats(tier=t.value, bytes=b, objects=n) for t, (b, n) in usage.items()]
             totals = self.tenant_totals.get(tenant) or dict.fromkeys(self.totals, 0)
             checksum_failures = pins = 0
         t = totals
-        return pb.StatsResponse(
+        return wire.StatsResponse(
             version=__version__,
             registry=registry,
             lookups=t["lookups"],
@@ -440,5 +440,5 @@ class KVHandlers:
             claims_active=self.claims.live_count(tenant),
         )
 
-    async def Ping(self, request: pb.PingRequest, context: grpc.aio.ServicerContext) -> pb.PingResponse:
+    async def Ping(self, request: wire.PingRequest, context: grpc.aio.ServicerContext) -> wire.PingResponse:
         return _PING

@@ -22,11 +22,11 @@ from prometheus_client.core import CounterMetricFamily
 
 import grpc
 
+import sidecar.api.manifests as wire
 from sidecar.api.manifests import import_result_to_wire, warm_up_plan_to_wire
 from sidecar.dataplane import DataPlane
 from sidecar.errors import InvalidArgument
 from sidecar.server.edge import Edge, rpc, streaming
-from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.identity import SHARED_SCOPE, CacheIdentity
 from sidecar.manifests import (
     ImportResult,
@@ -235,15 +235,15 @@ class ManifestHandlers:
 
     @rpc
     async def ImportManifest(
-        self, request: pb.ImportManifestRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ImportManifestResponse:
+        self, request: wire.ImportManifestRequest, context: grpc.aio.ServicerContext
+    ) -> wire.ImportManifestResponse:
         tenant = self.edge.tenancy.resolve(context)
         svc = self.manifests
         res = await svc.import_lines(tenant, request.lines, shared=request.shared, prefetch=not request.no_prefetch)
         return import_result_to_wire(res, svc.pending(tenant, request.shared))
 
     @rpc
-    async def GetWarmUpPlan(self, request: pb.WarmUpPlanRequest, context: grpc.aio.ServicerContext) -> pb.WarmUpPlan:
+    async def GetWarmUpPlan(self, request: wire.WarmUpPlanRequest, context: grpc.aio.ServicerContext) -> wire.WarmUpPlan:
         tenant = self.edge.tenancy.resolve(context)
         if not request.HasField("identity"):
             raise InvalidArgument("identity: required (the plan holds the chunks of one identity)")
@@ -255,8 +255,8 @@ class ManifestHandlers:
 
     @streaming
     async def ExportManifest(
-        self, request: pb.ExportManifestRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.ExportManifestResponse]:
+        self, request: wire.ExportManifestRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[wire.ExportManifestResponse]:
         try:
             tenant = self.edge.tenancy.resolve(context)
             if not request.HasField("identity"):
@@ -268,5 +268,5 @@ class ManifestHandlers:
         except Exception as exc:  # noqa: BLE001 - every error leaves through _abort
             await self.edge.abort("ExportManifest", exc, context)
         for lines in batches:
-            yield pb.ExportManifestResponse(lines=lines)
+            yield wire.ExportManifestResponse(lines=lines)
         self.edge.ok["ExportManifest"].inc()

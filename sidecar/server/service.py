@@ -21,8 +21,8 @@ import grpc
 from sidecar.api.frames import serialize_fetch
 from sidecar.api.kv import RequestLimits
 from sidecar.errors import InvalidArgument
-from sidecar.server.edge import SERVICE, Edge
-from sidecar.v1 import sidecar_pb2 as pb
+from sidecar.api.service import METHODS, SERVICE_NAME
+from sidecar.server.edge import Edge
 
 #: Streaming methods whose responses are pre-serialized frames (``sidecar.api.frames``).
 _FRAMED = frozenset(("Fetch", "FetchSession"))
@@ -100,11 +100,11 @@ def bind(areas: Iterable[object]) -> dict[str, Callable]:
     method when one has no handler among ``areas`` or more than one."""
     areas = tuple(areas)
     bound = {}
-    for m in SERVICE.methods:
+    for m in METHODS:
         found = [getattr(a, m.name) for a in areas if callable(getattr(a, m.name, None))]
         if len(found) != 1:
             owners = [type(a).__name__ for a in areas if callable(getattr(a, m.name, None))]
-            raise TypeError(f"{SERVICE.full_name}/{m.name}: expected one handler, found {owners or 'none'}")
+            raise TypeError(f"{m.path}: expected one handler, found {owners or 'none'}")
         bound[m.name] = found[0]
     return bound
 
@@ -113,13 +113,11 @@ def add_service(server: grpc.aio.Server, edge: Edge, areas: Iterable[object], li
     """Register the KVSidecar service on ``server`` with the handlers ``bind`` finds."""
     handlers = {}
     bound = bind(areas)
-    for m in SERVICE.methods:
-        request_cls = getattr(pb, m.input_type.name)
-        response_cls = getattr(pb, m.output_type.name)
+    for m in METHODS:
         kind = (m.client_streaming, m.server_streaming)
         handlers[m.name] = _KINDS[kind](
             _checked(edge, m.name, bound[m.name], *kind),
-            request_deserializer=_lenient(request_cls, limits),
-            response_serializer=serialize_fetch if m.name in _FRAMED else response_cls.SerializeToString,
+            request_deserializer=_lenient(m.request, limits),
+            response_serializer=serialize_fetch if m.name in _FRAMED else m.response.SerializeToString,
         )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

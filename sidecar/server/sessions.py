@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+import sidecar.api.sessions as wire
 from sidecar.api.frames import Framer
 from sidecar.api.kv import layout_from_wire, rope_from_wire
 from sidecar.api.sessions import (
@@ -44,7 +45,6 @@ from sidecar.dataplane import DataPlane
 from sidecar.errors import InvalidArgument
 from sidecar.server.edge import Edge, rpc, streaming
 from sidecar.shm import ShmWriter
-from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.directives import (
     Directive,
     EditMode,
@@ -248,7 +248,7 @@ class SpliceService:
             self._finish(plan_id, "expired")
 
 
-_CLOSED = pb.CloseSessionResponse()
+_CLOSED = wire.CloseSessionResponse()
 
 
 class SessionHandlers:
@@ -264,7 +264,7 @@ class SessionHandlers:
 
 
     @rpc
-    async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
+    async def OpenSession(self, request: wire.OpenSessionRequest, context: grpc.aio.ServicerContext) -> wire.SessionInfo:
         tenant = self.edge.tenancy.resolve(context)
         identity = None
         if request.HasField("identity"):
@@ -284,7 +284,7 @@ class SessionHandlers:
         return session_to_wire(self.service.open(tenant, tokens, request.block_size, identity))
 
     @rpc
-    async def AppendSession(self, request: pb.AppendSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
+    async def AppendSession(self, request: wire.AppendSessionRequest, context: grpc.aio.ServicerContext) -> wire.SessionInfo:
         tenant = self.edge.tenancy.resolve(context)
         sid = session_id_from_wire(request.session_id)
         tokens = session_tokens_from_wire(request.tokens)
@@ -292,21 +292,21 @@ class SessionHandlers:
         return session_to_wire(self.service.append(tenant, sid, tokens))
 
     @rpc
-    async def GetSession(self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
+    async def GetSession(self, request: wire.GetSessionRequest, context: grpc.aio.ServicerContext) -> wire.SessionInfo:
         tenant = self.edge.tenancy.resolve(context)
         info, pending = self.service.get(tenant, session_id_from_wire(request.session_id))
         return session_to_wire(info, pending)
 
     @rpc
     async def CloseSession(
-        self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
-    ) -> pb.CloseSessionResponse:
+        self, request: wire.CloseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> wire.CloseSessionResponse:
         tenant = self.edge.tenancy.resolve(context)
         self.service.close(tenant, session_id_from_wire(request.session_id))
         return _CLOSED
 
     @rpc
-    async def Splice(self, request: pb.SpliceRequest, context: grpc.aio.ServicerContext) -> pb.OpPlan:
+    async def Splice(self, request: wire.SpliceRequest, context: grpc.aio.ServicerContext) -> wire.OpPlanMsg:
         t0 = time.perf_counter()
         tenant = self.edge.tenancy.resolve(context)
         service = self.service
@@ -325,19 +325,19 @@ class SessionHandlers:
         return msg
 
     @rpc
-    async def CommitSplice(self, request: pb.CommitSpliceRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
+    async def CommitSplice(self, request: wire.CommitSpliceRequest, context: grpc.aio.ServicerContext) -> wire.SessionInfo:
         tenant = self.edge.tenancy.resolve(context)
         return session_to_wire(self.service.commit(tenant, plan_id_from_wire(request.plan_id)))
 
     @rpc
-    async def AbortSplice(self, request: pb.AbortSpliceRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:
+    async def AbortSplice(self, request: wire.AbortSpliceRequest, context: grpc.aio.ServicerContext) -> wire.SessionInfo:
         tenant = self.edge.tenancy.resolve(context)
         return session_to_wire(self.service.abort(tenant, plan_id_from_wire(request.plan_id)))
 
     @streaming
     async def FetchSession(
-        self, request: pb.FetchSessionRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.FetchSessionResponse]:
+        self, request: wire.FetchSessionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[wire.FetchSessionResponse]:
         shm: ShmWriter | None = None
         try:
             tenant = self.edge.tenancy.resolve(context)
@@ -360,7 +360,7 @@ class SessionHandlers:
             for r in runs:
                 mv = memoryview(r.payload.numpy())
                 nbytes += len(mv)
-                meta = pb.FetchSessionResponse(
+                meta = wire.FetchSessionResponse(
                     index=r.index, num_tokens=r.num_tokens, source_pos=r.source_pos, delta=r.delta, rotated=r.rotated,
                     tier=r.tier, target_pos=r.target_pos, chunk_hash=r.chunk_hash, chunk_offset=r.chunk_offset,
                     version=span.version,

@@ -31,7 +31,7 @@ from clients.transformers import (
     load_tokenizer,
 )
 from clients.transformers.fidelity import ARMS, WARM, evaluate_target
-from clients.transformers.pretrained import KNOWN_MODELS, resolve
+from sidecar.models import KNOWN_MODELS, resolve
 from sidecar.client import SyncSidecarClient
 from sidecar.config import DEFAULT_RECOMPUTE_TOKENS, SidecarConfig
 from sidecar.registry.chunker import ChunkerConfig
