@@ -1,4 +1,4 @@
-"""The composition root: ``build(config)`` wires the sidecar's parts in their constructors;
+"""The composition root: ``build(config) -> Sidecar`` wires the parts in their constructors;
 ``SidecarServer`` serves them over gRPC; ``create_server`` and ``ServerThread`` start one.
 
     config ─┬─> Metrics (edge) ─────────────────────────────────────────────┐
@@ -26,6 +26,7 @@ import logging
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -61,7 +62,10 @@ REGISTRY_HEALTH_NAME = f"{SERVICE_NAME}.registry"
 #: how long a stop waits for the rotation kernels' warm-up still running (it takes seconds)
 _WARMUP_JOIN_S = 60.0
 
-__all__ = ["REGISTRY_HEALTH_NAME", "SERVICE_NAME", "ServerThread", "SidecarServer", "create_server", "new_event_loop"]
+__all__ = [
+    "REGISTRY_HEALTH_NAME", "SERVICE_NAME", "ServerThread", "Sidecar", "SidecarServer", "build", "create_server",
+    "new_event_loop",
+]
 
 
 def _shared_registry(config: SidecarConfig) -> SharedRegistry | None:
@@ -89,60 +93,96 @@ def _warm_rotation() -> None:
     logger.info("rotation kernels ready in %.2f s (%d kernel calls)", time.perf_counter() - t0, calls)
 
 
-class SidecarServer:
-    """A sidecar built from ``config``: its parts, the gRPC server, health, metrics endpoint.
-    Start with ``await start()``, stop with ``await stop()``.
+@dataclass(frozen=True, kw_only=True)
+class Sidecar:
+    """The parts of one sidecar, wired (``build``). ``handlers`` serve the KVSidecar service:
+    every RPC the proto declares is one of their methods (``sidecar.server.service.bind``)."""
+
+    config: SidecarConfig
+    metrics: Metrics
+    index: ChunkIndex
+    dataplane: DataPlane
+    shared_registry: SharedRegistry | None
+    sessions: SpliceService
+    claims: ClaimsService
+    manifests: ManifestService
+    edge: Edge
+    kv: KVHandlers
+    handlers: tuple[object, ...]
+
+
+def build(config: SidecarConfig, *, session_table: SessionTable | None = None) -> Sidecar:
+    """Every part of a sidecar, each given what it needs in its constructor. Starts nothing:
+    no port, no thread, no task (``SidecarServer.start`` does).
 
     ``session_table`` replaces the session table built from ``config.directives`` (tests); its
-    ``config`` then rules the session limits and TTLs.
+    ``config`` then rules the session limits and TTLs."""
+    metrics = Metrics(__version__)
+    shared = _shared_registry(config)
+    index = ChunkIndex(config.chunker, InMemoryRegistry(config.registry), publisher=shared)
+    # limits.max_bytes* become the tier store's tenant quotas
+    store = TieredStore(config.limits.store_config(config.store))
+    ledger = ClaimLedger(config.claims, index.registry, store)
+    dataplane = DataPlane(
+        index, store, claims=ledger,
+        publish_remote=shared is not None and config.shared_registry.publish_payloads and bool(shared.shared_tier),
+        on_registry_eviction=lambda reason: metrics.evictions.labels(reason).inc(),
+    )
+    # The table's own per-tenant cap is the largest any tenant may have; the edge enforces
+    # each tenant's limits.max_sessions before the table is asked.
+    directives = dataclasses.replace(
+        config.directives,
+        max_sessions_per_tenant=config.limits.session_ceiling(config.directives.max_sessions_per_tenant),
+    )
+    sessions = SpliceService(directives, metrics, table=session_table, resolver=dataplane.resolve_held)
+    claims = ClaimsService(config.claims, index, ledger, sessions, metrics)
+    tenancy = Tenancy(config.auth, config.default_tenant, config.tls)
+    limits = TenantLimiter(
+        config.limits,
+        # directives.max_sessions_per_tenant, or an injected table's own (smaller) limit
+        default_sessions=min(config.directives.max_sessions_per_tenant, sessions.table.config.max_sessions_per_tenant),
+        forget_tenants=config.directives.forget_tenants,
+    )
+    edge = Edge(tenancy, limits, metrics, shared_memory=config.fetch_shared_memory)
+    manifests = ManifestService(config.manifests, index, dataplane, tenancy, metrics, config.max_prompt_tokens)
+    kv = KVHandlers(edge, config, index, dataplane, ledger, shared)
+    handlers = (
+        kv,
+        SessionHandlers(edge, config, sessions, dataplane),
+        ClaimHandlers(edge, config, claims),
+        ManifestHandlers(edge, manifests),
+    )
+    metrics.watch_registry(index.registry)
+    metrics.watch_dataplane(dataplane)
+    metrics.watch_sessions(sessions.table)
+    metrics.watch_claims(ledger, store)
+    if shared is not None:
+        metrics.watch_shared_registry(shared)
+    return Sidecar(config=config, metrics=metrics, index=index, dataplane=dataplane, shared_registry=shared,
+                   sessions=sessions, claims=claims, manifests=manifests, edge=edge, kv=kv, handlers=handlers)
+
+
+class SidecarServer:
+    """A sidecar (``build(config)``) served over gRPC, with health and the metrics endpoint.
+    Start with ``await start()``, stop with ``await stop()``. The parts are attributes
+    (``index``, ``dataplane``, ``sessions``, ``claims``, ``manifests``, ``metrics``, ``edge``).
+
+    ``session_table``: see ``build``.
     """
 
     def __init__(self, config: SidecarConfig, *, session_table: SessionTable | None = None) -> None:
+        parts = build(config, session_table=session_table)
+        self.parts = parts
         self.config = config
-        self.metrics = metrics = Metrics(__version__)
-        self.shared_registry = shared = _shared_registry(config)
-        self.index = ChunkIndex(config.chunker, InMemoryRegistry(config.registry), publisher=shared)
-        # limits.max_bytes* become the tier store's tenant quotas
-        store = TieredStore(config.limits.store_config(config.store))
-        ledger = ClaimLedger(config.claims, self.index.registry, store)
-        self.dataplane = DataPlane(
-            self.index, store, claims=ledger,
-            publish_remote=shared is not None and config.shared_registry.publish_payloads and bool(shared.shared_tier),
-            on_registry_eviction=lambda reason: metrics.evictions.labels(reason).inc(),
-        )
-        # The table's own per-tenant cap is the largest any tenant may have; the edge enforces
-        # each tenant's limits.max_sessions before the table is asked.
-        directives = dataclasses.replace(
-            config.directives,
-            max_sessions_per_tenant=config.limits.session_ceiling(config.directives.max_sessions_per_tenant),
-        )
-        self.sessions = SpliceService(directives, metrics, table=session_table, resolver=self.dataplane.resolve_held)
-        self.claims = ClaimsService(config.claims, self.index, ledger, self.sessions, metrics)
-        tenancy = Tenancy(config.auth, config.default_tenant, config.tls)
-        limits = TenantLimiter(
-            config.limits,
-            # directives.max_sessions_per_tenant, or an injected table's own (smaller) limit
-            default_sessions=min(config.directives.max_sessions_per_tenant,
-                                 self.sessions.table.config.max_sessions_per_tenant),
-            forget_tenants=config.directives.forget_tenants,
-        )
-        self.edge = Edge(tenancy, limits, metrics, shared_memory=config.fetch_shared_memory)
-        self.manifests = ManifestService(
-            config.manifests, self.index, self.dataplane, tenancy, metrics, config.max_prompt_tokens
-        )
-        self.kv = KVHandlers(self.edge, config, self.index, self.dataplane, self.claims.ledger, shared)
-        handlers = (
-            self.kv,
-            SessionHandlers(self.edge, config, self.sessions, self.dataplane),
-            ClaimHandlers(self.edge, config, self.claims),
-            ManifestHandlers(self.edge, self.manifests),
-        )
-        metrics.watch_registry(self.index.registry)
-        metrics.watch_dataplane(self.dataplane)
-        metrics.watch_sessions(self.sessions.table)
-        metrics.watch_claims(self.claims.ledger, self.dataplane.store)
-        if shared is not None:
-            metrics.watch_shared_registry(shared)
+        self.metrics = parts.metrics
+        self.index = parts.index
+        self.dataplane = parts.dataplane
+        self.shared_registry = parts.shared_registry
+        self.sessions = parts.sessions
+        self.claims = parts.claims
+        self.manifests = parts.manifests
+        self.edge = parts.edge
+        self.kv = parts.kv
         opts = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -151,7 +191,7 @@ class SidecarServer:
             ("grpc.so_reuseport", int(config.worker_index >= 0)),
         ]
         self.grpc = grpc.aio.server(options=opts)
-        add_service(self.grpc, self.edge, handlers, RequestLimits(config.wire.max_string_bytes, config.wire.max_repeated))
+        add_service(self.grpc, self.edge, parts.handlers, RequestLimits(config.wire.max_string_bytes, config.wire.max_repeated))
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(

@@ -52,7 +52,7 @@ from sidecar.client import SyncSidecarClient
 from sidecar.directives import OpPlan
 from sidecar.directives.op_plan import OpKind
 from sidecar.identity import CacheIdentity, KVLayout
-from sidecar.registry.lookup_plan import LookupPlan, Segment, SegmentKind
+from sidecar.registry.lookup_plan import LookupPlan, Segment
 from sidecar.rotation import Pairing, RopeSpec, RotaryLayout, rotate_slots_
 from sidecar.sdk.kit import load_item, load_run, stacked_payload, stacked_view
 

@@ -52,7 +52,7 @@ planner proposes REFRESH for slots past its rotation limit, which recomputes the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
