@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sidecar.api.kv import identity_to_wire, tokens_to_wire
-from sidecar.claims import Admit, ClaimEvent, Decision
-from sidecar.claims import ProtectionMode
+from sidecar.claims import Admit, ClaimEvent, Decision, ProtectionMode
 from sidecar.claims.model import CapacityProof, Claim
 from sidecar.errors import InvalidArgument
 from sidecar.identity import CacheIdentity

@@ -9,9 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sidecar.v1 import sidecar_pb2 as pb
+from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KVSidecar"]
 SERVICE_NAME = SERVICE.full_name
+#: the generated client stub class (``Stub(channel)``), for the SDK and raw-gRPC callers
+Stub = pb_grpc.KVSidecarStub
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from sidecar.api.kv import identity_to_wire, layout_to_wire, rope_to_wire, tokens_to_wire
 from sidecar.directives import Directive, Edit, EditMode, Layout, Op, OpKind, OpPlan, PlanId, PlanSummary, SessionId
 from sidecar.directives import SessionInfo as DomainSessionInfo
 from sidecar.directives.layout import arange
 from sidecar.errors import InvalidArgument
-from sidecar.v1 import sidecar_pb2 as pb
-from sidecar.api.kv import identity_to_wire, layout_to_wire, rope_to_wire, tokens_to_wire
 from sidecar.identity import CacheIdentity, KVLayout
+from sidecar.v1 import sidecar_pb2 as pb
 
 if TYPE_CHECKING:
     from sidecar.rotation import RopeSpec

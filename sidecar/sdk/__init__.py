@@ -39,7 +39,25 @@ from sidecar.sdk.rpcs import RPCS, Kind, KVSidecarRpcs, Rpc
 from sidecar.sdk.sync import SyncSidecarClient
 
 __all__ = [
-    "AdmitActiveResult", "ClaimDecision", "ClaimInfo", "FetchedKV", "FetchedRun", "ImportResult", "KVSidecarRpcs",
-    "Kind", "RPCS", "RegistryCounters", "ReportPoolResult", "RetryPolicy", "Rpc", "SidecarClient", "SidecarStats",
-    "StoreResult", "SyncSidecarClient", "TierCounters", "WarmUpEngine", "WarmUpResult", "WatchedEvent",
+    "RPCS",
+    "AdmitActiveResult",
+    "ClaimDecision",
+    "ClaimInfo",
+    "FetchedKV",
+    "FetchedRun",
+    "ImportResult",
+    "KVSidecarRpcs",
+    "Kind",
+    "RegistryCounters",
+    "ReportPoolResult",
+    "RetryPolicy",
+    "Rpc",
+    "SidecarClient",
+    "SidecarStats",
+    "StoreResult",
+    "SyncSidecarClient",
+    "TierCounters",
+    "WarmUpEngine",
+    "WarmUpResult",
+    "WatchedEvent",
 ]

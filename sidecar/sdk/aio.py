@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Self
 
 import grpc
 
@@ -30,7 +30,7 @@ class SidecarClient(ClientBase, KVSidecarRpcs):
     _open_channel = staticmethod(grpc.aio.insecure_channel)
     _open_secure_channel = staticmethod(grpc.aio.secure_channel)
 
-    async def __aenter__(self) -> "SidecarClient":
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -18,12 +18,12 @@ from typing import Any
 
 import grpc
 
+from sidecar.api.service import Stub
 from sidecar.api.frames import FETCH_METHOD, FETCH_SESSION_METHOD, parse_fetch_frame
 from sidecar.api.kv import AUTH_HEADER, TENANT_HEADER
 from sidecar.errors import SidecarError, error_for_status
 from sidecar.sdk.fetch import FetchAssembler, FrameCall
 from sidecar.shm import SHM_DIR, SegmentPool, local_target
-from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,7 +110,7 @@ class ClientBase:
             self._channel = type(self)._open_secure_channel(target, creds, options=options)
         else:
             self._channel = type(self)._open_channel(target, options=options)
-        self._stub = pb_grpc.KVSidecarStub(self._channel)
+        self._stub = Stub(self._channel)
         # Fetch answers are decoded in place (sidecar.api.frames), not by a protobuf parse.
         self._fetch = self._channel.unary_stream(
             FETCH_METHOD, request_serializer=_serialize, response_deserializer=parse_fetch_frame
@@ -124,7 +124,7 @@ class ClientBase:
         self._retry = retry
 
     @property
-    def stub(self) -> pb_grpc.KVSidecarStub:
+    def stub(self) -> Stub:
         """The generated stub on this client's channel (raw messages: no conversion, no
         retries); send ``metadata`` with each call."""
         return self._stub

@@ -11,16 +11,17 @@ types (``LookupPlan``, ``SessionState``, ``OpPlan``) convert in ``sidecar.api``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
+import sidecar.api.claims as claims_wire
+import sidecar.api.kv as kv_wire
+import sidecar.api.manifests as manifests_wire
 from sidecar.api.claims import ADMIT_FROM_WIRE, DECISION_FROM_WIRE, MODE_FROM_WIRE, proof_from_wire
 from sidecar.claims import Admit, CapacityProof, Decision, ProtectionMode
 from sidecar.identity import CacheIdentity
 
-if TYPE_CHECKING:
-    from sidecar.v1 import sidecar_pb2 as pb
 
 _U32 = np.dtype("<u4")
 
@@ -46,7 +47,7 @@ class StoreResult:
     chunk_bounds: tuple[int, ...] = ()
 
     @classmethod
-    def from_wire(cls, msg: "pb.StoreResponse") -> "StoreResult":
+    def from_wire(cls, msg: kv_wire.StoreResponse) -> StoreResult:
         return cls(msg.chunks_total, msg.chunks_registered, msg.chunks_refreshed, msg.chunks_observed,
                    msg.chunks_stored, tuple(np.frombuffer(msg.chunk_bounds, dtype=_U32).tolist()))
 
@@ -109,7 +110,7 @@ class RegistryCounters:
     verify_failures: int  # fingerprint matched but tokens did not (collision or attack)
 
     @classmethod
-    def from_wire(cls, msg: "pb.RegistryStats") -> "RegistryCounters":
+    def from_wire(cls, msg: kv_wire.RegistryStats) -> RegistryCounters:
         return cls(msg.entries, msg.bytes, msg.capacity_entries, msg.capacity_bytes, msg.evictions, msg.hits,
                    msg.verify_failures)
 
@@ -126,7 +127,7 @@ class TierCounters:
     misses: int
 
     @classmethod
-    def from_wire(cls, msg: "pb.TierStats") -> "TierCounters":
+    def from_wire(cls, msg: kv_wire.TierStats) -> TierCounters:
         return cls(msg.tier, msg.bytes, msg.objects, msg.capacity_bytes, msg.hits, msg.misses)
 
 
@@ -150,7 +151,7 @@ class SidecarStats:
     claims_active: int  # claims of the caller's tenant not yet ended
 
     @classmethod
-    def from_wire(cls, msg: "pb.StatsResponse") -> "SidecarStats":
+    def from_wire(cls, msg: kv_wire.StatsResponse) -> SidecarStats:
         return cls(
             version=msg.version, registry=RegistryCounters.from_wire(msg.registry), lookups=msg.lookups,
             lookup_tokens=msg.lookup_tokens, recovered_prefix_tokens=msg.recovered_prefix_tokens,
@@ -180,7 +181,7 @@ class ImportResult:
     warmup_pending: int
 
     @classmethod
-    def from_wire(cls, msg: "pb.ImportManifestResponse") -> "ImportResult":
+    def from_wire(cls, msg: manifests_wire.ImportManifestResponse) -> ImportResult:
         return cls(msg.lines, msg.prefetched, msg.planned, msg.present, msg.malformed, msg.refused,
                    msg.warmup_pending)
 
@@ -235,7 +236,7 @@ class ClaimInfo:
     chunk_hashes: tuple[int, ...]  # the claim's chunks, position order
 
     @classmethod
-    def from_wire(cls, msg: "pb.ClaimInfo") -> "ClaimInfo":
+    def from_wire(cls, msg: claims_wire.ClaimInfo) -> ClaimInfo:
         return cls(
             claim_id=msg.claim_id, mode=MODE_FROM_WIRE.get(msg.mode), state=msg.state,
             footprint_blocks=msg.footprint_blocks, footprint_bytes=msg.footprint_bytes,
@@ -255,7 +256,7 @@ class ClaimDecision:
     claim: ClaimInfo
 
     @classmethod
-    def from_wire(cls, msg: "pb.ClaimDecision") -> "ClaimDecision":
+    def from_wire(cls, msg: claims_wire.ClaimDecision) -> ClaimDecision:
         return cls(decision=DECISION_FROM_WIRE[msg.decision], reason=msg.reason, claim=ClaimInfo.from_wire(msg.claim))
 
 
@@ -266,7 +267,7 @@ class ReportPoolResult:
     protected_resident_blocks: int
 
     @classmethod
-    def from_wire(cls, msg: "pb.ReportPoolResponse") -> "ReportPoolResult":
+    def from_wire(cls, msg: claims_wire.ReportPoolResponse) -> ReportPoolResult:
         return cls(protected_resident_blocks=msg.protected_resident_blocks)
 
 
@@ -283,7 +284,7 @@ class AdmitActiveResult:
     retry_after_s: float  # DEFERRED: a hint, seconds; 0 otherwise
 
     @classmethod
-    def from_wire(cls, msg: "pb.AdmitActiveResponse") -> "AdmitActiveResult":
+    def from_wire(cls, msg: claims_wire.AdmitActiveResponse) -> AdmitActiveResult:
         return cls(
             decision=ADMIT_FROM_WIRE[msg.decision], blocking_claim_ids=tuple(msg.blocking_claim_ids),
             blocking_other_tenants=msg.blocking_other_tenants, proof=_proof(msg),
@@ -312,7 +313,7 @@ class WatchedEvent:
     mode: ProtectionMode | None  # claim events: the claim's mode
 
     @classmethod
-    def from_wire(cls, msg: "pb.ClaimEvent") -> "WatchedEvent":
+    def from_wire(cls, msg: claims_wire.ClaimEventMsg) -> WatchedEvent:
         return cls(
             seq=msg.seq, event=msg.event, claim_id=msg.claim_id, request_id=msg.request_id, time=msg.time,
             blocking_claim_ids=tuple(msg.blocking_claim_ids), proof=_proof(msg), leading_tokens=msg.leading_tokens,

@@ -116,15 +116,12 @@ class Rpc:
         if self.kind is Kind.WATCH:
             def method(client, /, *args, **kwargs):
                 return client._watch(rpc, *args, **kwargs)
+            retry = "a stream the caller iterates: no deadline, not retried"
         else:
             def method(client, /, *args, **kwargs):
                 return client._invoke(rpc, *args, **kwargs)
-        if self.kind is Kind.WATCH:
-            retry = "a stream the caller iterates: no deadline, not retried"
-        elif self.idempotent:
-            retry = "idempotent: retried when the failure is transient"
-        else:
-            retry = "not retried: each call changes state"
+            retry = ("idempotent: retried when the failure is transient" if self.idempotent
+                     else "not retried: each call changes state")
         method.__name__ = name
         method.__qualname__ = f"{owner.__qualname__}.{name}"
         method.__doc__ = f"{inspect.cleandoc(self.doc or self.request.__doc__ or '')}\n\n``{self.method}`` RPC, {retry}."

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Self
 
 import grpc
 
@@ -29,7 +29,7 @@ class SyncSidecarClient(ClientBase, KVSidecarRpcs):
     _open_channel = staticmethod(grpc.insecure_channel)
     _open_secure_channel = staticmethod(grpc.secure_channel)
 
-    def __enter__(self) -> "SyncSidecarClient":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

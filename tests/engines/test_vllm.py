@@ -15,7 +15,7 @@ process (an empty local prefix cache), so a second engine is an engine restart. 
 
 from __future__ import annotations
 
-import re
+import json
 from pathlib import Path
 
 import pytest
@@ -23,17 +23,11 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed in this environment (the engine tests run in .venv-engines)")
 transformers = pytest.importorskip("transformers")
 
-from tests.engines.conftest import ROOT, closed_port, run_engine  # noqa: E402
+from tests.engines.conftest import closed_port, run_engine  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1800)
 
 MAX_TOKENS = 16
-
-
-def _paragraphs(path: Path, k: int, skip: int = 0) -> list[str]:
-    text = re.sub(r"\n{3,}", "\n\n", path.read_text())
-    paras = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 200]
-    return paras[skip : skip + k]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +41,8 @@ def prompts(model_dir):
         ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
         return [int(t) for t in ids]
 
-    readme = _paragraphs(ROOT / "README.md", 10)
-    fidelity = _paragraphs(ROOT / "docs" / "fidelity.md", 8)
+    fixed = json.loads((Path(__file__).parent / "data" / "prompt_paragraphs.json").read_text())
+    readme, fidelity = fixed["readme"], fixed["fidelity"]
     h1 = "You are the booking agent of the airline. Answer in one short sentence. " * 3
     h2 = ("You are the refunds agent. You check every claim against the policy, cite the rule you apply, "
           "and never promise a refund the policy does not allow. ") * 4
