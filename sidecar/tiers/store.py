@@ -134,7 +134,7 @@ class TieredStore(StoreWrites, StoreReads):
 
     @property
     def _write_lock(self) -> threading.RLock:
-        """The mover lock under its old name (tests/test_sync_off_loop.py holds it to stand for
+        """The mover lock under its old name (tests/dataplane/test_sync_off_loop.py holds it to stand for
         a slow tier move)."""
         return self._mover
 

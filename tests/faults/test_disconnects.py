@@ -23,7 +23,7 @@ from sidecar.app import create_server
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 from tests.claims.helpers import BLOCK, IDENT, LAYOUT, blocks, config, store
-from tests.test_store_faults import header, parts, state
+from tests.dataplane.test_store_faults import header, parts, state
 
 CHANNELS, CALLS = 100, 10
 HANDLERS = ("Store", "Fetch", "FetchSession")

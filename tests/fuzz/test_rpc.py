@@ -33,7 +33,7 @@ from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.api.kv import identity_to_wire
 from tests.conftest import make_config
 from tests.fuzz.conftest import examples
-from tests.test_dataplane import IDENT, LAYOUT, payloads_for
+from tests.dataplane.test_dataplane import IDENT, LAYOUT, payloads_for
 
 SERVICE = "/sidecar.v1.KVSidecar/"
 MiB = 1 << 20

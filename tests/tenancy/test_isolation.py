@@ -13,7 +13,7 @@ from sidecar.errors import NotFound
 from sidecar.app import create_server
 from sidecar.tiers import StoreConfig
 from tests.conftest import make_config
-from tests.test_dataplane import IDENT, LAYOUT, SPEC, conversation, store_all
+from tests.dataplane.test_dataplane import IDENT, LAYOUT, SPEC, conversation, store_all
 
 MiB = 1 << 20
 

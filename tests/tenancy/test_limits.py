@@ -17,7 +17,7 @@ from sidecar.app import create_server
 from sidecar.tiers import StoreConfig
 from sidecar.v1 import sidecar_pb2 as pb
 from tests.conftest import make_config
-from tests.test_dataplane import IDENT, LAYOUT, conversation, payloads_for
+from tests.dataplane.test_dataplane import IDENT, LAYOUT, conversation, payloads_for
 
 MiB = 1 << 20
 

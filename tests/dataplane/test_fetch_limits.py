@@ -12,7 +12,7 @@ from sidecar.errors import ResourceExhausted
 from sidecar.app import create_server
 from sidecar.tiers import Tier
 from tests.conftest import make_config
-from tests.test_dataplane import IDENT, LAYOUT, SPEC, check_rotated, conversation, store_all
+from tests.dataplane.test_dataplane import IDENT, LAYOUT, SPEC, check_rotated, conversation, store_all
 
 
 @pytest.fixture

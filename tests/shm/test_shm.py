@@ -23,7 +23,7 @@ from sidecar.tiers import StoreConfig
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 from tests.conftest import make_config
-from tests.test_dataplane import IDENT, LAYOUT, SPEC, MiB, check_rotated, conversation, message, payloads_for, store_all
+from tests.dataplane.test_dataplane import IDENT, LAYOUT, SPEC, MiB, check_rotated, conversation, message, payloads_for, store_all
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm on this host")
 

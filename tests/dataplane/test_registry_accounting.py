@@ -10,7 +10,7 @@ from sidecar.client import SidecarClient
 from sidecar.registry.entry import ChunkEntry, ChunkHash, EntryState
 from sidecar.registry.registry import InMemoryRegistry, RegistryConfig
 from tests.conftest import ANCHORS, message
-from tests.test_dataplane import IDENT, LAYOUT, payloads_for, start
+from tests.dataplane.test_dataplane import IDENT, LAYOUT, payloads_for, start
 
 
 def consistent(reg: InMemoryRegistry) -> bool:

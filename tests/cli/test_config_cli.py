@@ -122,4 +122,4 @@ def test_generated_stubs_are_current():
     from sidecar.v1.generate import stale_files
 
     assert stale_files() == [], "run: python -m sidecar.v1.generate"
-    assert (Path(__file__).parents[1] / "proto/sidecar/v1/sidecar.proto").exists()
+    assert (Path(__file__).parents[2] / "proto/sidecar/v1/sidecar.proto").exists()

@@ -46,7 +46,7 @@ from sidecar.app import ServerThread
 from sidecar.tiers import RemoteEndpoint
 from tests.redis_server import free_port, redis_server
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 TOKEN = "deploy-test-token-5d1c"

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from bench import recovery as rec
+from bench import recovery_arms as rec
 from bench.tokenizer import ANCHOR_TOKENS, SPECIAL_BASE, VOCAB_SIZE, ChatTemplate, HashTokenizer
 from bench.workloads import TruncateOldToolOutputs, Workload, load_trajectories, replay, trace_workload
 from bench.workloads import synthetic as syn
