@@ -1,6 +1,6 @@
 """Soak: replay the real agent traces against one sidecar for a long time, watching for drift.
 
-    ./dev bench soak                      # one hour (the issue's soak), by command, never in CI
+    ./dev bench soak                      # one hour, by command, never in CI
     ./dev bench soak --minutes 5          # a short look
 
 Every trace call of the repository's tau-bench and mini-SWE-agent trajectories (old tool outputs

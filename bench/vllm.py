@@ -23,8 +23,8 @@ the ``vllm`` arm's. Statistics use the requests after each workload's first (whi
 serves).
 
 Workloads: agent_meta (a ~1000-token per-agent header, trimmed by 0..64 tokens per request,
-before the shared ~5K-token body of policy, tools and notes; ``bench.ttft``'s builder; the
-issue's ~8K body does not fit SmolLM2's 8192 positions), sysvar (tau-bench sessions whose system
+before the shared ~5K-token body of policy, tools and notes; ``bench.ttft``'s builder; an
+~8K body does not fit SmolLM2's 8192 positions), sysvar (tau-bench sessions whose system
 prompt carries a per-call clock line) and the two real traces (mini-SWE-agent and tau-bench, old
 tool outputs truncated; the last calls that fit the context).
 
@@ -66,7 +66,7 @@ def model_dir() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-#: SmolLM2's context (vLLM's max_model_len here); agent_meta's body is ~5K tokens, not the issue's
+#: SmolLM2's context (vLLM's max_model_len here); agent_meta's body is ~5K tokens, not
 #: ~8K, because a 1000-token header + 8K body does not fit 8192 positions
 MAX_MODEL_LEN = 8192
 
