@@ -22,7 +22,7 @@ ANCHORS = tuple(range(ANCHOR_BASE, ANCHOR_BASE + 4))
 
 
 def make_config(**overrides) -> SidecarConfig:
-    # Imported here: the engine suite (tests/engines, its own environment without LMCache)
+    # Imported here: the engine suite (tests/real_engines, its own environment without LMCache)
     # loads this conftest too, and sidecar.config pulls in the tiers.
     from sidecar.config import SidecarConfig  # noqa: F811
 

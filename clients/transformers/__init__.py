@@ -6,20 +6,20 @@
         engine = Engine(model, sidecar=sidecar)
         out = engine.generate(prompt_ids, max_new_tokens=32)
 
-Modules: ``engine`` (the request loop), ``kv`` (cache <-> payloads), ``cache`` (in-place
+Modules: ``engine`` (the request loop), ``options`` (its options and results), ``kv`` (cache <-> payloads), ``cache`` (in-place
 growing cache), ``prefix_cache`` (the engine's own exact-prefix cache), ``attention``
 (the engine's attention implementations: fast, and batch-invariant for the determinism gate), ``models`` (configs, random or real
 weights), ``fidelity`` (teacher-forced output-consistency metrics).
 """
 
 from clients.transformers.cache import SequenceCache
-from clients.transformers.engine import (
+from clients.transformers.engine import Engine
+from clients.transformers.options import (
     CACHE_OFF,
     EXACT_PREFIX,
     SIDECAR,
     ActiveAdmission,
     ActiveRefused,
-    Engine,
     Generation,
     PrefillResult,
     ReusePolicy,

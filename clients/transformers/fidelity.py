@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from clients.transformers.engine import Engine, ReusePolicy, Rotation, Sampling
+from clients.transformers.engine import Engine
+from clients.transformers.options import ReusePolicy, Rotation, Sampling
 
 DISCLAIMER = (
     "Random-weight models: a mechanics check of the cache paths (right KV at the right positions), "

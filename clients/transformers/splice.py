@@ -73,7 +73,8 @@ from sidecar.rotation import rotate_keys
 
 from clients.transformers.attention import MIN_ROWS
 from clients.transformers.cache import SequenceCache
-from clients.transformers.engine import Engine, PrefillResult, ReusePolicy, Sampling, _as_tokens, _select
+from clients.transformers.engine import Engine, _select
+from clients.transformers.options import PrefillResult, ReusePolicy, Sampling, _as_tokens
 
 
 class PlanNotApplicable(ValueError):

@@ -78,7 +78,8 @@ from clients.vllm.settings import PARAM_GAP_FILL, PARAM_TENANT, Settings, descri
 # (see settings.py). Building a role happens after the scan.
 if TYPE_CHECKING:
     from clients.vllm.jobs import LoadJob, StoreJob
-    from clients.vllm.scheduler_side import SchedulerHooks, SchedulerSide
+    from clients.vllm.requests import SchedulerHooks
+    from clients.vllm.scheduler_side import SchedulerSide
     from clients.vllm.worker_side import WorkerSide
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext

@@ -43,7 +43,7 @@ from sidecar.registry.lookup_plan import SegmentKind
 from clients.vllm.settings import PARAM_GAP_FILL, PARAM_TENANT
 
 if TYPE_CHECKING:
-    from clients.vllm.scheduler_side import RequestState, SchedulerHooks
+    from clients.vllm.requests import RequestState, SchedulerHooks
     from clients.vllm.settings import Settings
 
 #: A gap-fill sub-request's id is ``<parent id><GAP_SUFFIX><round>``.

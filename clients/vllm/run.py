@@ -1,7 +1,7 @@
 """Run one vLLM engine (CPU) over a list of prompts, optionally with the sidecar connector.
 
 ``python -m clients.vllm.run SPEC.json OUT.json``: one process = one engine with an empty local
-cache, so two runs are an engine restart. The tests (tests/engines) and the benchmark
+cache, so two runs are an engine restart. The tests (tests/real_engines) and the benchmark
 (bench/vllm.py) drive engines through it. SPEC::
 
     {"model": "/path/to/hf-dir",

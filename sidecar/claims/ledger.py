@@ -37,10 +37,10 @@ from sidecar.claims.model import (
 )
 from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from sidecar.registry.entry import EntryState
-from sidecar.registry.registry import InMemoryRegistry
 from sidecar.tiers import CapacityError, Guard, Tier, chunk_key
 
-if TYPE_CHECKING:  # the store (torch, LMCache) is not imported by reading the config
+if TYPE_CHECKING:  # neither the store (torch, LMCache) nor the registry (numba) is imported by the SDK
+    from sidecar.registry.registry import InMemoryRegistry
     from sidecar.tiers import TieredStore
 
 logger = logging.getLogger(__name__)

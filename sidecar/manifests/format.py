@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from sidecar.registry.chunker import chain_reference
+from sidecar.registry.entry import chain_reference
 from sidecar.registry.entry import ChunkHash
 
 FORMAT_VERSION = 1

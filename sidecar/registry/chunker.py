@@ -39,9 +39,8 @@ import numba
 import numpy as np
 import xxhash
 
-MASK64 = (1 << 64) - 1
-P1 = 0x9E3779B185EBCA87
-P2 = 0xC2B2AE3D27D4EB4F
+from sidecar.registry.entry import MASK64, P1, P2, chain_reference
+
 P3 = 0x165667B19E3779F9
 P4 = 0x85EBCA77C2B2AE63
 P5 = 0x27D4EB2F165667C5
@@ -139,14 +138,6 @@ class Chunks:
 def gear_reference(token: int) -> int:
     z = ((token ^ _GEAR_C0) * _GEAR_C1) & MASK64
     return z ^ (z >> 32)
-
-
-def chain_reference(prev: int, chunk_hash: int) -> int:
-    """Prefix-digest step: digest of (everything before) + this chunk."""
-    x = ((prev ^ chunk_hash) * P1) & MASK64
-    x ^= x >> 29
-    x = (x * P2) & MASK64
-    return x ^ (x >> 32)
 
 
 def boundaries_reference(tokens: Sequence[int], config: ChunkerConfig) -> list[int]:

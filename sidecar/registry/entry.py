@@ -76,3 +76,17 @@ class ChunkEntry:
             self.tokens = bytes(data)
             return True
         return False
+
+
+#: the prefix-digest chain (the Lookup kernels inline the same mixing)
+MASK64 = (1 << 64) - 1
+P1 = 0x9E3779B185EBCA87
+P2 = 0xC2B2AE3D27D4EB4F
+
+
+def chain_reference(prev: int, chunk_hash: int) -> int:
+    """Prefix-digest step: digest of (everything before) + this chunk."""
+    x = ((prev ^ chunk_hash) * P1) & MASK64
+    x ^= x >> 29
+    x = (x * P2) & MASK64
+    return x ^ (x >> 32)

@@ -11,7 +11,7 @@ from clients.transformers import ActiveAdmission, ActiveRefused, Engine
 from sidecar.client import SyncSidecarClient
 from sidecar.app import ServerThread
 from tests.conftest import make_config
-from tests.engine.conftest import get_model
+from tests.clients.transformers.conftest import get_model
 
 BS = 16
 

@@ -14,7 +14,6 @@ from sidecar.client import SidecarClient
 from sidecar.config import AuthConfig
 from sidecar.identity import KVLayout
 from sidecar.app import create_server
-from sidecar.v1 import sidecar_pb2 as pb
 from tests.claims.helpers import BLOCK, IDENT, LAYOUT, blocks, config, store
 
 CLIENTS, CALLS = 100, 10

@@ -40,7 +40,7 @@ from sidecar.tiers import decode_payload, encode_payload
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 from tests.conftest import ANCHOR_BASE, make_config
-from tests.engine.conftest import Prompts, get_model
+from tests.clients.transformers.conftest import Prompts, get_model
 
 LOCAL = ReusePolicy(prefix_cache=False, sidecar=False, store=False)
 TENANT, OTHER = "held-a", "held-b"

@@ -23,7 +23,7 @@ import threading
 import grpc
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.client import SyncSidecarClient

@@ -13,7 +13,7 @@ from sidecar.registry.chunker import (
     chunk_tokens,
     chunk_tokens_reference,
 )
-from tests.conftest import ANCHOR_BASE, ANCHORS, message, text
+from tests.conftest import ANCHORS, message, text
 
 SEEDS = [0x1234, 0xDEADBEEF]
 CHAIN = 0xC0FFEE

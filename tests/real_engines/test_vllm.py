@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed in this environment (the engine tests run in .venv-engines)")
 transformers = pytest.importorskip("transformers")
 
-from tests.engines.conftest import closed_port, run_engine  # noqa: E402
+from tests.real_engines.conftest import closed_port, run_engine  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -241,7 +241,6 @@ def test_connector_over_mtls_acts_as_the_certificate_tenant(model_dir, prompts, 
     takes the tenant from the certificate's CN: the Lookup and the Store go through, and the
     chunks land in the certificate's tenant (visible to that tenant, not to another)."""
     from bench.harness import server_python, sidecar_process
-    from sidecar.client import SyncSidecarClient
     from tests.tenancy.certs import CA
 
     ca = CA(tmp_path)
