@@ -195,7 +195,7 @@ class SpliceService:
         if tracked is None:
             raise InvariantViolation(
                 f"plan {plan_id!s} was pending in the session table but not tracked; this indicates a bug "
-                "in the plan bookkeeping (sidecar/splice_service.py)"
+                "in the plan bookkeeping (sidecar/server/sessions.py)"
             )
         return self.table.get(tracked.session_id, tenant)
 

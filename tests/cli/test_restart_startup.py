@@ -1,6 +1,6 @@
 """``kv-sidecar serve`` start-up: the cyclic garbage collector is off while the process imports
 and recovers (long-lived objects, little garbage) and back on, over a frozen start-up heap,
-once it serves (sidecar/cli.py)."""
+once it serves (sidecar/cli/main.py)."""
 
 from __future__ import annotations
 
