@@ -1,0 +1,121 @@
+"""Row copies into vLLM's standard KV layouts against a plain ``copy_`` of the same bytes.
+
+For every ``KVCacheLayout`` (LBHNC ... BHLNC), GQA (8 KV heads x 128, like Llama-3-8B) and MLA
+(one 576-wide latent row, like DeepSeek-V3), bf16: a cache of 8 layers x 512 blocks of 16 tokens
+built as vLLM builds it (one flat buffer, per-layer logical ``[B, H, N, C]`` views), and a run of
+4096 tokens whose blocks are scattered over the cache. Measured in one run, interleaved:
+
+* ``load``: ``clients.vllm.layouts.load_`` of the run's payload (one indexed copy per layer and part);
+* ``save``: ``gather`` of the same cells back into a payload buffer;
+* ``copy``: ``dst.copy_(payload)`` of the same number of bytes into a contiguous buffer (the floor).
+
+Reported: GB/s of each and ``load / copy``, ``save / copy`` (goal: >= 0.5 on CPU tensors).
+Run: ``./dev bench vllm_layouts`` (about a minute); ``--device cuda`` on a GPU. Writes
+bench/results/vllm_layouts.json (CPU) or vllm_layouts_cuda.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from clients.vllm.layouts import PagedSpec, Run, gather, load_
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LAYOUTS = {
+    "LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4),
+}
+LAYERS, BLOCKS, BLOCK_SIZE, RUN_TOKENS = 8, 512, 16, 4096
+GOAL = 0.5
+
+
+def build(spec: PagedSpec, order: tuple[int, ...], device: str) -> list[torch.Tensor]:
+    shape = (LAYERS, BLOCKS, spec.num_heads, spec.block_size, spec.content)
+    strides = [0] * 5
+    step = 1
+    for dim in reversed(order):
+        strides[dim] = step
+        step *= shape[dim]
+    raw = torch.zeros(step, dtype=spec.dtype, device=device)
+    return [torch.as_strided(raw, shape[1:], strides[1:], storage_offset=i * strides[0]) for i in range(LAYERS)]
+
+
+def timed(fn, reps: int, sync) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args(argv)
+    device = args.device
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    specs = {
+        "gqa": PagedSpec(mla=False, num_heads=8, block_size=BLOCK_SIZE, head_size=128, head_size_v=128,
+                         dtype=torch.bfloat16),
+        "mla": PagedSpec(mla=True, num_heads=1, block_size=BLOCK_SIZE, head_size=576, head_size_v=0,
+                         dtype=torch.bfloat16, rope_dim=64),
+    }
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randperm(BLOCKS, generator=gen)[: RUN_TOKENS // BLOCK_SIZE].to(device)
+    run = Run.of(table, 0, RUN_TOKENS, BLOCK_SIZE)
+    rows = []
+    for kind, spec in specs.items():
+        nbytes = spec.payload_layout(LAYERS).bytes_per_token * RUN_TOKENS
+        payload = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, generator=gen).to(device)
+        out = torch.empty_like(payload)
+        floor = torch.empty_like(payload)
+        for name, order in LAYOUTS.items():
+            views = build(spec, order, device)
+            load_s = copy_s = save_s = float("inf")
+            for _ in range(3):  # interleaved rounds: a noisy neighbour hits every arm alike
+                load_s = min(load_s, timed(lambda: load_(views, spec, payload, run), args.reps, sync))
+                copy_s = min(copy_s, timed(lambda: floor.copy_(payload), args.reps, sync))
+                save_s = min(save_s, timed(lambda: gather(views, spec, run, out), args.reps, sync))
+            assert torch.equal(out, payload)
+            row = {
+                "kind": kind, "layout": name, "bytes": nbytes,
+                "load_gbps": round(nbytes / load_s / 1e9, 2), "save_gbps": round(nbytes / save_s / 1e9, 2),
+                "copy_gbps": round(nbytes / copy_s / 1e9, 2),
+                "load_over_copy": round(copy_s / load_s, 3), "save_over_copy": round(copy_s / save_s, 3),
+            }
+            rows.append(row)
+            print(f"{kind} {name}: load {row['load_gbps']} GB/s ({row['load_over_copy']}x copy), save "
+                  f"{row['save_gbps']} GB/s ({row['save_over_copy']}x copy), copy {row['copy_gbps']} GB/s")
+    worst = min(min(r["load_over_copy"], r["save_over_copy"]) for r in rows)
+    doc = {
+        "what": "clients.vllm.layouts load_ / gather vs a plain copy_ of the same bytes, every vLLM KVCacheLayout",
+        "command": "./dev bench vllm_layouts" + ("" if device == "cpu" else f" --device {device}"),
+        "machine": {"device": device if device == "cpu" else torch.cuda.get_device_name(),
+                    "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
+        "shape": {"layers": LAYERS, "blocks": BLOCKS, "block_size": BLOCK_SIZE, "run_tokens": RUN_TOKENS,
+                  "gqa": "8 kv heads x 128, bf16", "mla": "576-wide latent row (rope 64), bf16"},
+        "goal": f"load and save >= {GOAL} of copy_",
+        "worst_ratio": worst,
+        "goal_met": worst >= GOAL,
+        "rows": rows,
+    }
+    name = "vllm_layouts.json" if device == "cpu" else "vllm_layouts_cuda.json"
+    (RESULTS / name).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"worst ratio {worst} (goal >= {GOAL}): {'met' if worst >= GOAL else 'missed'}; wrote bench/results/{name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
