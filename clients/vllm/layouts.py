@@ -224,3 +224,48 @@ def _layers(pv: Any, num_layers: int, num_parts: int) -> list[list[torch.Tensor]
     if len(parts) != num_layers * num_parts:
         raise ValueError(f"payload has {len(parts)} parts; {num_layers} layers x {num_parts} parts expected")
     return [parts[i * num_parts:(i + 1) * num_parts] for i in range(num_layers)]
+
+
+class StandardKV:
+    """The connector's view of a GQA / MHA cache in vLLM's standard layout, on any device: the
+    interface of ``paged.PagedKV`` (``gather`` / ``scatter`` of ``[L, 2, n, H, D]`` rows at a
+    request's token positions), for the backends whose per-layer tensor is the logical
+    ``[B, H, N, K | V]`` view (flash-attn, FlashInfer, Triton on GPUs). Rows travel between the
+    host payloads and the cache's device in one copy per call; the cells are addressed with
+    index tensors (one indexed copy per layer and part, no per-token Python)."""
+
+    def __init__(self, layers: list[torch.Tensor], spec: PagedSpec) -> None:
+        if spec.mla or spec.head_size != spec.head_size_v:
+            raise UnsupportedLayout("StandardKV serves GQA / MHA caches whose K and V have one width")
+        for t in layers:
+            spec.check_view(t)
+        self.layers = layers
+        self.spec = spec
+        self.device = layers[0].device
+        self.dtype = spec.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def _slots(self, block_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B = self.spec.block_size
+        block_ids = block_ids.to(self.device)
+        positions = positions.to(self.device)
+        return block_ids[positions // B], positions % B
+
+    def gather(self, block_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """KV rows of ``positions`` (int64 [n]) as ``[L, 2, n, H, D]`` on the CPU (a new tensor)."""
+        blk, off = self._slots(block_ids, positions)
+        D = self.spec.head_size
+        rows = torch.stack([torch.stack((t[blk, :, off, :D], t[blk, :, off, D:])) for t in self.layers])
+        return rows.cpu()
+
+    def scatter(self, rows: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write ``[L, 2, n, H, D]`` rows (any device) at ``positions`` (int64 [n])."""
+        blk, off = self._slots(block_ids, positions)
+        rows = rows.to(self.device, non_blocking=False)
+        D = self.spec.head_size
+        for li, t in enumerate(self.layers):
+            t[..., :D][blk, :, off] = rows[li, 0]
+            t[..., D:][blk, :, off] = rows[li, 1]

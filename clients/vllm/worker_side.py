@@ -3,7 +3,9 @@
 Runs in each vLLM worker (the model's process), called by the connector facade
 (``connector.py``)::
 
-    start-up      register_kv_caches(layers)  learn the CPU block layout (paged.py) or disable
+    start-up      register_kv_caches(layers)  CPU backend: learn its block layout (paged.py);
+                                              other devices: vLLM's standard [B, H, N, K | V]
+                                              views (layouts.py); else disable, saying why
     each step     load(jobs.loads)            before the forward: Fetch each LoadJob's items
                                               (rotated by the sidecar to their target positions
                                               with the engine's RopeSpec) and scatter their rows
@@ -31,6 +33,7 @@ import torch
 
 from sidecar.sdk.kit import stacked_payload, stacked_view
 
+from clients.vllm.layouts import SUPPORTED_DTYPES, PagedSpec, StandardKV, UnsupportedLayout
 from clients.vllm.jobs import LoadJob, StoreJob
 from clients.vllm.paged import BlockLayout, PagedKV, single_threaded
 
@@ -53,7 +56,7 @@ class WorkerSide:
         self.block_size = shape.block_size
         self.link = link
         self.counters: Counter[str] = Counter() if counters is None else counters
-        self.paged: PagedKV | None = None
+        self.paged: PagedKV | StandardKV | None = None
         self.disabled: str = ""
         self._invalid: set[int] = set()
         self._store_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sidecar-store")
@@ -72,9 +75,23 @@ class WorkerSide:
             return
         t = layers[0]
         H, B, D = self.shape.num_kv_heads, self.block_size, self.shape.head_size
-        if t.device.type != "cpu" or t.dim() != 4 or tuple(t.shape[1:]) != (H, B, 2 * D):
+        if t.device.type != "cpu":
+            # vLLM's standard layout: each layer a logical [blocks, H, N, K | V] view whose
+            # strides carry the group's KVCacheLayout (clients/vllm/layouts.py)
+            spec = PagedSpec(mla=False, num_heads=H, block_size=B, head_size=D, head_size_v=D, dtype=t.dtype)
+            try:
+                if t.dtype not in SUPPORTED_DTYPES:
+                    raise UnsupportedLayout(f"kv cache dtype {t.dtype}: only bf16 / fp16 / fp32 caches are served")
+                self.paged = StandardKV(layers, spec)
+            except UnsupportedLayout as exc:
+                self._disable(f"KV cache on {t.device}: {exc}")
+                return
+            log.info("sidecar connector (worker): %d layers on %s, vLLM's standard layout (strides %s)",
+                     len(layers), t.device, tuple(t.stride()))
+            return
+        if t.dim() != 4 or tuple(t.shape[1:]) != (H, B, 2 * D):
             self._disable(f"KV cache layout {tuple(t.shape)} on {t.device} is not the CPU backend's "
-                          f"[blocks, {H}, {B}, {2 * D}] (only vLLM's CPU backend is supported yet)")
+                          f"[blocks, {H}, {B}, {2 * D}]")
             return
         try:
             layout = self._learn_layout(t.dtype)

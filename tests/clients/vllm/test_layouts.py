@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from clients.vllm.layouts import PagedSpec, Run, UnsupportedLayout, gather, load_, save
+from clients.vllm.layouts import PagedSpec, Run, StandardKV, UnsupportedLayout, gather, load_, save
 from sidecar.api.payload import decode_payload
 
 #: vLLM's KVCacheLayout values (vllm/v1/kv_cache_layout.py): physical order of the logical axes.
@@ -136,3 +136,21 @@ def test_a_view_of_another_shape_is_refused():
     spec = spec_of("gqa", torch.float16)
     with pytest.raises(UnsupportedLayout, match=r"\[B, H, N, C\]"):
         spec.check_view(torch.zeros(B, BS, 2, 16, dtype=torch.float16))  # NHD without the view
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_standard_kv_moves_rows_like_the_cpu_paged_cache_interface(layout):
+    """``StandardKV`` (the worker's cache on non-CPU devices) scatters ``[L, 2, n, H, D]`` rows at
+    token positions and gathers the same rows back, in every layout; the cells it writes are the
+    ones ``load_`` writes for the same payload."""
+    spec = spec_of("gqa", torch.float16)
+    _, views, _ = build(spec, LAYOUTS[layout])
+    _, ref_views, _ = build(spec, LAYOUTS[layout])
+    kv = StandardKV(views, spec)
+    table = torch.tensor([3, 6, 1, 0], dtype=torch.int64)
+    positions = torch.arange(2, 13, dtype=torch.int64)
+    rows = torch.randint(1, 50, (L, 2, len(positions), spec.num_heads, spec.head_size)).to(torch.float16)
+    kv.scatter(rows, table, positions)
+    assert torch.equal(kv.gather(table, positions), rows)
+    load_(ref_views, spec, rows.contiguous().view(torch.uint8).view(-1), Run.of(table, 2, len(positions), BS))
+    assert all(torch.equal(a, b) for a, b in zip(views, ref_views))
