@@ -70,7 +70,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from clients.vllm import directives
-from clients.vllm.settings import PARAM_GAP_FILL, PARAM_TENANT, Settings, describe, engine_shape, sidecar_link
+from clients.vllm.settings import (
+    PARAM_GAP_FILL,
+    PARAM_TENANT,
+    Settings,
+    describe,
+    engine_shape,
+    sidecar_link,
+    vllm_version_note,
+)
 
 # The role classes (and through them the SDK, the kit and numba) are imported when a role is
 # built, not here: vLLM imports this module while validating its config, before a worker's
@@ -120,6 +128,11 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = Settings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        import vllm
+
+        note = vllm_version_note(getattr(vllm, "__version__", "unknown"))
+        if note is not None:
+            log.warning("sidecar connector: %s", note)
         self.shape = engine_shape(vllm_config, self.settings)
         self.block_size = self.shape.block_size
         side = "scheduler" if role is KVConnectorRole.SCHEDULER else "worker"

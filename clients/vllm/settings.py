@@ -235,3 +235,17 @@ def describe(shape: EngineShape) -> str:
 def env_flag(name: str, default: bool = False) -> bool:
     v = os.environ.get(name)
     return default if v is None else v.strip().lower() in ("1", "true", "yes", "on")
+
+
+#: vLLM releases the connector is built and tested against: 0.32 (the CPU backend, in the engine
+#: suite) and 0.33 (the GPU backends' standard KV layout; docs/vllm.md says what ran where).
+SUPPORTED_VLLM = ("0.32.", "0.33.")
+
+
+def vllm_version_note(version: str) -> str | None:
+    """One line to log when ``version`` is not a supported vLLM release, else None."""
+    if version.startswith(SUPPORTED_VLLM):
+        return None
+    return (f"vLLM {version} is not a release this connector supports (0.32 on CPU, 0.33 on GPU): its KV "
+            "connector API or cache layout may differ; run a supported release or expect the connector to "
+            "disable itself")

@@ -1,0 +1,35 @@
+"""The GPU check's correctness parts (``bench/gpu_check.py``), skipped without CUDA; without one,
+the check itself says so and measures nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import gpu_check
+
+ROOT = Path(__file__).resolve().parents[2]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_cuda_rotation_matches_the_reference():
+    rows, ok = gpu_check.check_rotation(tokens=256)
+    assert ok, rows
+
+
+@cuda
+def test_standard_layout_loads_round_trip_on_the_device():
+    rows, ok = gpu_check.check_layouts(tokens=300)
+    assert ok, [r for r in rows if not r["correct"]]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-device answer")
+def test_without_a_device_the_check_says_so():
+    out = subprocess.run([sys.executable, "-m", "bench.gpu_check"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "no CUDA device" in out.stderr
