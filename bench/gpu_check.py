@@ -33,10 +33,6 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 ROTATION_GOAL = 0.7
 LOAD_GOAL = 0.5
-LAYOUTS = {
-    "LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
-    "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4),
-}
 
 
 def _timed(fn, reps: int = 20) -> float:
@@ -109,6 +105,7 @@ def check_rotation(tokens: int) -> tuple[list[dict], bool]:
 
 
 def check_layouts(tokens: int) -> tuple[list[dict], bool]:
+    from bench.vllm_layouts import LAYOUTS, build
     from clients.vllm.layouts import PagedSpec, Run, gather, load_
 
     layers, blocks, block_size = 32, 4096, 16
@@ -127,15 +124,8 @@ def check_layouts(tokens: int) -> tuple[list[dict], bool]:
         host = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, generator=gen).pin_memory()
         dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         back = torch.empty_like(dev)
-        shape = (layers, blocks, spec.num_heads, block_size, spec.content)
         for name, order in LAYOUTS.items():
-            strides, step = [0] * 5, 1
-            for dim in reversed(order):
-                strides[dim] = step
-                step *= shape[dim]
-            raw = torch.zeros(step, dtype=spec.dtype, device="cuda")
-            views = [torch.as_strided(raw, shape[1:], strides[1:], storage_offset=i * strides[0])
-                     for i in range(layers)]
+            views = build(spec, order, "cuda", layers, blocks)
 
             def load() -> None:
                 dev.copy_(host, non_blocking=True)

@@ -35,7 +35,7 @@ import torch
 from sidecar.api.payload import decode_payload
 from sidecar.identity import KVLayout
 
-__all__ = ["SUPPORTED_DTYPES", "PagedSpec", "Run", "UnsupportedLayout", "gather", "load_", "save", "token_slots"]
+__all__ = ["SUPPORTED_DTYPES", "PagedSpec", "Run", "UnsupportedLayout", "gather", "load_", "save", "slots"]
 
 SUPPORTED_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
 _PAYLOAD_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -61,6 +61,10 @@ class PagedSpec:
     dtype: torch.dtype
     rope_dim: int = 0
 
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise UnsupportedLayout(f"kv cache dtype {self.dtype}: only bf16 / fp16 / fp32 caches are served")
+
     @property
     def content(self) -> int:
         """C: elements per (block, head, token) cell."""
@@ -75,8 +79,6 @@ class PagedSpec:
             raise UnsupportedLayout(f"kv cache quantization {getattr(quant, 'name', quant)}: the sidecar stores "
                                     "unquantized rows (bf16 / fp16 / fp32)")
         dtype = getattr(spec, "dtype", None)
-        if dtype not in SUPPORTED_DTYPES:
-            raise UnsupportedLayout(f"kv cache dtype {dtype}: only bf16 / fp16 / fp32 caches are served")
         for name in ("num_head_slots", "state_content_bytes"):
             if getattr(spec, name, None) is not None:
                 raise UnsupportedLayout(f"{name} is set: the backend packs its cells, so a cell is not "
@@ -146,15 +148,14 @@ class Run:
         full = block_ids[b0:b0 + nfull]
         tail_from = head + nfull * block_size
         rel = torch.cat((torch.arange(head), torch.arange(tail_from, n))).to(block_ids.device)
-        blocks, offsets = token_slots(block_ids, start, n, block_size)
-        return cls(n=n, head=head, full=full, edge_tokens=rel, edge_blocks=blocks[rel], edge_offsets=offsets[rel])
+        blocks, offsets = slots(block_ids, start + rel, block_size)
+        return cls(n=n, head=head, full=full, edge_tokens=rel, edge_blocks=blocks, edge_offsets=offsets)
 
 
-def token_slots(block_ids: torch.Tensor, start: int, n: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks and in-block offsets of a request's tokens ``[start, start + n)``, given its block
-    table ``block_ids`` (int64, on the cache's device): two ``[n]`` index tensors."""
-    pos = torch.arange(start, start + n, device=block_ids.device)
-    return block_ids[pos // block_size], pos % block_size
+def slots(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks and in-block offsets of a request's token ``positions`` (int64 ``[n]``), given its
+    block table ``block_ids`` (int64, on the same device): two ``[n]`` index tensors."""
+    return block_ids[positions // block_size], positions % block_size
 
 
 def _cells(view: torch.Tensor, spec: PagedSpec, lo: int, hi: int) -> torch.Tensor:
@@ -249,10 +250,7 @@ class StandardKV:
         return len(self.layers)
 
     def _slots(self, block_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        B = self.spec.block_size
-        block_ids = block_ids.to(self.device)
-        positions = positions.to(self.device)
-        return block_ids[positions // B], positions % B
+        return slots(block_ids.to(self.device), positions.to(self.device), self.spec.block_size)
 
     def gather(self, block_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """KV rows of ``positions`` (int64 [n]) as ``[L, 2, n, H, D]`` on the CPU (a new tensor)."""

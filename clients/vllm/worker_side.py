@@ -33,7 +33,7 @@ import torch
 
 from sidecar.sdk.kit import stacked_payload, stacked_view
 
-from clients.vllm.layouts import SUPPORTED_DTYPES, PagedSpec, StandardKV, UnsupportedLayout
+from clients.vllm.layouts import PagedSpec, StandardKV, UnsupportedLayout
 from clients.vllm.jobs import LoadJob, StoreJob
 from clients.vllm.paged import BlockLayout, PagedKV, single_threaded
 
@@ -78,10 +78,8 @@ class WorkerSide:
         if t.device.type != "cpu":
             # vLLM's standard layout: each layer a logical [blocks, H, N, K | V] view whose
             # strides carry the group's KVCacheLayout (clients/vllm/layouts.py)
-            spec = PagedSpec(mla=False, num_heads=H, block_size=B, head_size=D, head_size_v=D, dtype=t.dtype)
             try:
-                if t.dtype not in SUPPORTED_DTYPES:
-                    raise UnsupportedLayout(f"kv cache dtype {t.dtype}: only bf16 / fp16 / fp32 caches are served")
+                spec = PagedSpec(mla=False, num_heads=H, block_size=B, head_size=D, head_size_v=D, dtype=t.dtype)
                 self.paged = StandardKV(layers, spec)
             except UnsupportedLayout as exc:
                 self._disable(f"KV cache on {t.device}: {exc}")

@@ -56,10 +56,8 @@ class ClaimsService:
         self.ledger = ledger
 
     def claim(self, tenant: str, claim_id: str, *, mode: ProtectionMode, obj: ClaimObject, shared: bool,
-              identity: CacheIdentity | None, duration_s: float | None, predicate_min_tokens: int,
+              identity: CacheIdentity, duration_s: float | None, predicate_min_tokens: int,
               footprint_blocks: int, max_tokens: int) -> tuple[Decision, str, Claim]:
-        if identity is None:
-            raise InvalidArgument("identity: required (chunk keys are salted with it)")
         cfg = self.config
         if duration_s is not None and not 0 < duration_s <= cfg.max_duration_s:
             raise InvalidArgument(f"duration_s: {duration_s} must be in (0, claims.max_duration_s={cfg.max_duration_s}]")
