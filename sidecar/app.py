@@ -293,6 +293,7 @@ class SidecarServer:
         grace_s = self.config.grace_period_s if grace is None else grace
         began = time.monotonic()
         await self.grpc.stop(grace_s)
+        await self.kv.drain()  # Stores committed by calls that are gone finish first
         for task in (self._sweeper, self._claim_sweeper):
             if task is not None:
                 task.cancel()

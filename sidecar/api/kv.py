@@ -344,19 +344,22 @@ def store_messages(
     """The client stream of one Store: a header (the whole sequence from position 0, chunks
     registered from ``register_from``), then, with ``layout`` and ``payloads`` ({chunk start:
     KV bytes at that chunk's positions, ``KVLayout`` order}), each payload in parts of at most
-    ``part_bytes`` in chunk order, the last part of each marked ``last``."""
+    ``part_bytes`` in chunk order, the last part of each marked ``last``; then the commit (the
+    server registers and stores nothing for a stream that ends without it)."""
     header = pb.StoreHeader(
         tokens=tokens_to_wire(tokens), identity=identity_to_wire(identity), register_from=register_from, shared=shared
     )
     if not payloads:
-        return [pb.StoreRequest(header=header)]
+        return [pb.StoreRequest(header=header), pb.StoreRequest(commit=pb.StoreCommit())]
     if layout is None:
         raise ValueError("layout: required with payloads")
     header.layout.CopyFrom(layout_to_wire(layout))
     msgs = [pb.StoreRequest(header=header)]
+    total = 0
     for start in sorted(payloads):
         mv = payload_view(payloads[start])
         n = len(mv)
+        total += n
         off = 0
         while True:
             end = min(n, off + part_bytes)
@@ -364,6 +367,7 @@ def store_messages(
             off = end
             if off >= n:
                 break
+    msgs.append(pb.StoreRequest(commit=pb.StoreCommit(chunks=len(payloads), payload_bytes=total)))
     return msgs
 
 
@@ -432,6 +436,8 @@ PingResponse = pb.PingResponse
 RegistryStats = pb.RegistryStats
 StatsRequest = pb.StatsRequest
 StatsResponse = pb.StatsResponse
+StoreCommit = pb.StoreCommit
+StoreHeader = pb.StoreHeader
 StoreRequest = pb.StoreRequest
 StoreResponse = pb.StoreResponse
 TierStats = pb.TierStats

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -35,7 +35,7 @@ from sidecar.dataplane.spans import SpanResult, regroup
 from sidecar.dataplane.spans import check as check_spans
 from sidecar.dataplane.spans import expand as expand_spans
 from sidecar.errors import FailedPrecondition, InvalidArgument
-from sidecar.identity import SHARED_SCOPE
+from sidecar.identity import SHARED_SCOPE, CacheIdentity, KVLayout
 from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
 from sidecar.registry.lookup_plan import AdmissionPolicy, FetchSpec
 from sidecar.registry.shared import SharedRegistry
@@ -47,6 +47,12 @@ _PING = wire.PingResponse()
 
 #: tenants whose Lookup totals Stats keeps (least recently active dropped past it)
 _TENANT_TOTALS = 4096
+_T = TypeVar("_T")
+
+
+def _settled(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: an abandoned commit's refusal is not "never retrieved"
 
 
 class KVHandlers:
@@ -68,6 +74,8 @@ class KVHandlers:
         self.totals = {"lookups": 0, "lookup_tokens": 0, "prefix": 0, "exact": 0, "shifted": 0, "prefill": 0}
         #: the same per tenant (its own Stats), least recently active dropped past the bound
         self.tenant_totals: OrderedDict[str, dict[str, int]] = OrderedDict()
+        #: committed Stores still writing (they finish even when their call was cancelled)
+        self._commits: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------------------ Lookup
 
@@ -185,9 +193,15 @@ class KVHandlers:
         # Read the whole stream before changing anything: a bad message anywhere leaves the
         # registry and the tiers untouched. Each message is checked as it arrives against what
         # the header allows (chunk boundaries, each chunk's exact size), so a bad part is
-        # refused before more is buffered and at most sum(sizes) bytes are ever held.
+        # refused before more is buffered and at most sum(sizes) bytes are ever held. Only the
+        # client's commit message commits: grpc.aio ends the request stream of a cancelled or
+        # expired call exactly like a half-close, so the end of the stream proves nothing.
+        commit = None
         async for msg in request_iterator:
             which = msg.WhichOneof("msg")
+            if which == "commit":
+                commit = msg.commit
+                break
             if which == "header":
                 if header is not None:
                     raise InvalidArgument("header: sent more than once in one Store stream")
@@ -245,17 +259,34 @@ class KVHandlers:
                     complete.add(start)
             else:
                 raise InvalidArgument("msg: empty StoreRequest (neither header nor payload)")
-        # grpc.aio ends the request stream of a cancelled call exactly like a half-close, and
-        # delivers the cancellation (CancelledError into this task) in a callback of its own:
-        # let it land before committing anything, or a cancelled Store would be registered.
-        await asyncio.sleep(0)
-        if context.cancelled():
-            raise asyncio.CancelledError("Store: the client cancelled before half-closing its stream")
+        if commit is None:
+            await asyncio.sleep(0)  # a cancel is delivered in a callback of its own: let it land
+            if context.cancelled():
+                raise asyncio.CancelledError("Store: the stream ended without a commit (cancelled)")
+            raise InvalidArgument(
+                "commit: the Store stream ended without a commit message; nothing was registered or stored"
+            )
         if header is None:
             raise InvalidArgument("header: Store stream carried no header")
         incomplete = sorted(set(payloads) - complete)
         if incomplete:
             raise InvalidArgument(f"payload.last: chunks at {incomplete[:8]} never received their last part")
+        if commit.chunks != len(payloads):
+            raise InvalidArgument(f"commit.chunks: {commit.chunks}, but the stream carried {len(payloads)} payloads")
+        nbytes = sum(map(len, payloads.values()))
+        if commit.payload_bytes != nbytes:
+            raise InvalidArgument(
+                f"commit.payload_bytes: {commit.payload_bytes}, but the stream carried {nbytes} payload bytes"
+            )
+        # Committed by the client: it completes (or is refused whole) even if the call is
+        # cancelled now, so a cancel never leaves half a Store, or half its metrics, behind.
+        return await self._committed(self._commit(
+            tokens, header, identity, scope, tenant, layout, payloads, chunked
+        ))
+
+    async def _commit(self, tokens: np.ndarray, header: wire.StoreHeader, identity: CacheIdentity, scope: str,
+                      tenant: str, layout: KVLayout | None, payloads: dict[int, bytearray],
+                      chunked: tuple | None) -> wire.StoreResponse:
         m = self.metrics
         if payloads:
             t0 = time.perf_counter()
@@ -286,6 +317,20 @@ class KVHandlers:
             chunks_stored=stored,
             chunk_bounds=np.asarray(bounds, dtype="<u4").tobytes(),
         )
+
+    async def _committed(self, work: Coroutine[Any, Any, _T]) -> _T:
+        """Run a committed write to its end even if the call is cancelled meanwhile: a cancel
+        after the commit message must not leave half a Store (or its thread's writes) behind."""
+        task = asyncio.ensure_future(work)
+        self._commits.add(task)
+        task.add_done_callback(_settled)
+        task.add_done_callback(self._commits.discard)
+        return await asyncio.shield(task)
+
+    async def drain(self) -> None:
+        """Wait for committed Stores whose calls are gone (server shutdown)."""
+        while self._commits:
+            await asyncio.gather(*self._commits, return_exceptions=True)
 
     # ------------------------------------------------------------------------------- Fetch
 

@@ -249,13 +249,23 @@ class PayloadPart(_message.Message):
     last: bool
     def __init__(self, chunk_start: _Optional[int] = ..., data: _Optional[bytes] = ..., last: bool = ...) -> None: ...
 
+class StoreCommit(_message.Message):
+    __slots__ = ("chunks", "payload_bytes")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    chunks: int
+    payload_bytes: int
+    def __init__(self, chunks: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+
 class StoreRequest(_message.Message):
-    __slots__ = ("header", "payload")
+    __slots__ = ("header", "payload", "commit")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     header: StoreHeader
     payload: PayloadPart
-    def __init__(self, header: _Optional[_Union[StoreHeader, _Mapping]] = ..., payload: _Optional[_Union[PayloadPart, _Mapping]] = ...) -> None: ...
+    commit: StoreCommit
+    def __init__(self, header: _Optional[_Union[StoreHeader, _Mapping]] = ..., payload: _Optional[_Union[PayloadPart, _Mapping]] = ..., commit: _Optional[_Union[StoreCommit, _Mapping]] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("chunks_total", "chunks_registered", "chunks_refreshed", "chunks_observed", "chunks_stored", "chunk_bounds")

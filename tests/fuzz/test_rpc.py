@@ -295,6 +295,8 @@ def test_adversarial_store_streams(live, data) -> None:
     # then, but never the victim's view (check()).
     if data.draw(st.booleans()):
         msgs.append(pb.StoreRequest(header=header))  # a second header
+    if data.draw(st.booleans()):
+        msgs.append(pb.StoreRequest(commit=pb.StoreCommit(chunks=data.draw(st.integers(0, 4)))))
     check(live, "Store", [m.SerializeToString() for m in msgs])
 
 

@@ -56,7 +56,8 @@ def store_cases(identity, rng):
     named = identity_to_wire(dataclasses.replace(identity, kv_layout=kv.fingerprint()))  # names the layout
     ok = good_tokens(rng)
     H = lambda **kw: pb.StoreRequest(header=pb.StoreHeader(**kw))  # noqa: E731
-    return [
+    C = pb.StoreRequest(commit=pb.StoreCommit())
+    cases = [
         ("header.tokens", [H(tokens=ok[:-2], identity=ident)], "multiple of 4"),
         ("header.tokens", [H(tokens=b"", identity=ident)], "empty"),
         ("header.tokens", [H(tokens=b"\0" * 4 * (MAX_TOKENS + 1), identity=ident)], "max_prompt_tokens"),
@@ -74,6 +75,13 @@ def store_cases(identity, rng):
         ("payload.data", [H(tokens=ok, identity=named, layout=layout),
                           pb.StoreRequest(payload=pb.PayloadPart(data=b"x", last=True))], "need"),
         ("msg", [H(tokens=ok, identity=ident), pb.StoreRequest()], "neither header nor payload"),
+        ("commit.chunks", [H(tokens=ok, identity=ident), pb.StoreRequest(commit=pb.StoreCommit(chunks=1))], "carried 0"),
+        ("commit.payload_bytes", [H(tokens=ok, identity=ident), pb.StoreRequest(commit=pb.StoreCommit(payload_bytes=9))],
+         "carried 0"),
+    ]
+    # every stream committed (its error is the one named), and one valid stream that never commits
+    return [(f, [*m, C] if not f.startswith("commit") else m, w) for f, m, w in cases] + [
+        ("commit", [H(tokens=ok, identity=ident)], "without a commit message"),
     ]
 
 
@@ -81,7 +89,8 @@ async def test_bad_lookups(small_server, identity, rng):
     server, target = small_server
     async with grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
         stub = pb_grpc.KVSidecarStub(ch)
-        await stub.Store(iter([pb.StoreRequest(header=pb.StoreHeader(tokens=good_tokens(rng), identity=identity_to_wire(identity)))]))
+        await stub.Store(iter([pb.StoreRequest(header=pb.StoreHeader(tokens=good_tokens(rng), identity=identity_to_wire(identity))),
+                               pb.StoreRequest(commit=pb.StoreCommit())]))
         entries = len(server.index.registry)
         for field, req, words in lookup_cases(identity, rng):
             with pytest.raises(grpc.aio.AioRpcError) as ei:

@@ -82,7 +82,8 @@ async def test_store_header_strings_are_bounded(served):
         assert ei.value.details().startswith("header.identity.weights_hash: "), ei.value.details()
         assert len(server.index.registry) == 0 and len(server.edge.identities) == 0
         # within the limits: served
-        ok = [pb.StoreRequest(header=pb.StoreHeader(tokens=TOK, identity=ident(weights_hash="w" * 4096)))]
+        ok = [pb.StoreRequest(header=pb.StoreHeader(tokens=TOK, identity=ident(weights_hash="w" * 4096))),
+              pb.StoreRequest(commit=pb.StoreCommit())]
         assert (await stub.Store(iter(ok))).chunks_total >= 1
 
 
