@@ -71,7 +71,7 @@ class SharedRegistryConfig:
     max_pending: int = 100_000
     max_batch: int = 4096
     backoff_initial_s: float = 0.1
-    backoff_max_s: float = 5.0
+    backoff_max_s: float = 1.0  # a PING per second at most while Redis is down: back within ~1 s
     probe_interval_s: float = 1.0
     publish_payloads: bool = True
     share_left_context: bool = False

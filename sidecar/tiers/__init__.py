@@ -12,9 +12,8 @@ The store drives LMCache's storage *components* from ``lmcache.v1.distributed`` 
 * CPU tier: ``L1Manager`` (DRAM pool allocator + staging/read-lock state machine: a staged
   object is invisible until ``finish_write``, a read-locked one cannot be deleted);
 * disk tier: the ``fs_native`` L2 adapter (C++ file connector, tmp file + rename);
-* remote tier: the ``resp`` L2 adapter (C++ RESP client for Redis/Valkey), created through
-  LMCache's adapter factory and config classes (``backends.remote``: why it is kept over
-  redis-py and LMCache's ``valkey`` adapter);
+* remote tier: not LMCache's ``resp`` adapter (pitfall 7) but redis-py with the hiredis
+  parser (``backends.remote``), one object per chunk, one round trip per batched call;
 * GPU tier: LMCache has none; a device tensor carved by LMCache's ``TensorMemoryAllocator``,
   with the L1 as host staging (``backends.gpu.GpuTier``).
 
@@ -54,21 +53,14 @@ LMCache 0.5.6 pitfalls (verified here) and how the store handles them
    joined with ``close_timeout_s``, in-flight waiters are released as failed, and memory pools
    are freed only after readers drained.
 6. Redis ``remove`` is not implemented in the legacy ``RedisConnector`` (no ``remove_sync``).
-   The ``resp`` adapter deletes (native DEL) but misreports the result on a desynced
-   connection, so a remote delete is verified with EXISTS and retried on a new connection.
-7. (found here) The RESP client loses protocol sync on any failed GET: a GET of a missing key
-   hangs until the caller's timeout and kills the connection; a GET into a buffer of the wrong
-   size shifts the reply stream (later GET/DEL/EXISTS read each other's replies). Every remote
-   GET is preceded by a batched EXISTS and uses the exact size (the header is fixed-size, and a
-   header copy is stored under object group 1 for sidecars that never saw the chunk); any
-   failure replaces the connection. Keys this store is deleting are not looked up meanwhile.
-   A refused connect in the native client (``WorkerConn::connect``) closes its socket and its
-   destructor closes the same fd number again, by then possibly another connection's (redis-py,
-   gRPC): two owners of one fd cross-talk. So the native client connects only after a PING from
-   Python succeeds, and a replaced connection is closed completely before the next one opens
-   (``sidecar.tiers.backends.remote``; found by the Redis-kill fault test).
-   Run the remote Redis with ``maxmemory-policy noeviction`` (capacity is ``remote_bytes``):
-   a key evicted between EXISTS and GET costs one ``io_timeout_s`` stall.
+7. (found here) The ``resp`` adapter's RESP client loses protocol sync on any failed GET: a GET
+   of a missing key kills the connection; a batched GET whose objects differ in size (every
+   batch of content-defined chunks) fails each object whose size differs from the batch's
+   first and shifts the reply stream; a refused connect closes one fd number twice. So the
+   remote tier does not use it: it is redis-py with hiredis (``sidecar.tiers.backends.remote``),
+   one MGET per batched read of any sizes, one SET per object, and a failed call costs only
+   its own connection. Keys this store is deleting are not looked up meanwhile.
+   Run the remote Redis with ``maxmemory-policy noeviction`` (capacity is ``remote_bytes``).
 8. (found here) ``fs_native`` keeps no index and cannot list keys; storing an existing key
    "succeeds" but keeps the old file; a GET into a smaller buffer succeeds with a prefix. The
    metadata (key, tenant, scope, layout fingerprint, tokens, position, checksum) lives in each

@@ -43,12 +43,13 @@ UNLIMITED = TenantQuota()
 
 @dataclass(frozen=True, kw_only=True)
 class RemoteEndpoint:
-    """A RESP (Redis/Valkey) endpoint parsed from ``redis://[user[:password]@]host:port``."""
+    """A RESP (Redis/Valkey) endpoint parsed from ``redis://[user[:password]@]host:port[/db]``."""
 
     host: str
     port: int
     username: str = ""
     password: str = ""
+    db: int = 0
 
     @classmethod
     def parse(cls, url: str) -> RemoteEndpoint:
@@ -57,13 +58,15 @@ class RemoteEndpoint:
             raise ValueError(f"remote_url must be redis://host:port, got scheme {parts.scheme!r}")
         if not parts.hostname or not parts.port:
             raise ValueError(f"remote_url must name a host and a port, got {url!r}")
-        if parts.path not in ("", "/", "/0"):
-            raise ValueError("remote_url: only database 0 is supported by LMCache's RESP client")
+        db = parts.path.strip("/") or "0"
+        if not db.isdigit():
+            raise ValueError(f"remote_url: the path must be a database number, got {parts.path!r}")
         return cls(
             host=parts.hostname,
             port=int(parts.port),
             username=parts.username or "",
             password=parts.password or "",
+            db=int(db),
         )
 
 

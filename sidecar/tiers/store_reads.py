@@ -134,8 +134,6 @@ class StoreReads(StoreMoves):
                         reason = Reason.MISSING if obj is LoadFailure.MISSING else Reason.CORRUPTION
                         failed.append((i, e, tier, reason))
                     elif not object_ok(obj, e.meta):
-                        if tier == Tier.REMOTE:
-                            self._io.remote.suspect()
                         failed.append((i, e, tier, Reason.CORRUPTION))
                     else:
                         results[i] = FetchedChunk(e.meta, tier, obj[HEADER_NBYTES:])

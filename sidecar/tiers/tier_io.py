@@ -103,6 +103,8 @@ class TierIO:
                 self.mem[tier] = backend
         self.disk = self.backends.get(Tier.DISK)
         self.remote = self.backends.get(Tier.REMOTE)
+        if self.remote is not None:  # re-admitted as soon as Redis answers a PING again
+            self.breakers[Tier.REMOTE] = Breaker(Tier.REMOTE.value, probe=self.remote.probe)
 
     def has(self, tier: Tier) -> bool:
         return tier in self.backends
@@ -182,8 +184,9 @@ class TierIO:
             raise
 
     def read_foreign(self, keys: list[ChunkKey]) -> tuple[list[tuple[FetchedChunk | None, torch.Tensor | None]], int]:
-        """Chunks another sidecar published to the remote tier (header copy first, then body);
-        also returns how many failed verification."""
+        """Chunks another sidecar published to the remote tier, in one round trip (each object
+        carries its own header: size, layout, checksum); also returns how many failed
+        verification."""
         out: list[tuple[FetchedChunk | None, torch.Tensor | None]] = [(None, None)] * len(keys)
         if not keys:
             return out, 0
@@ -191,24 +194,25 @@ class TierIO:
         if not self.available(Tier.REMOTE):
             return out, 0
         try:
-            metas = self.remote.load_headers(keys)
-            found = [(i, m) for i, m in enumerate(metas) if m is not None]
-            if not found:
-                return out, 0
-            objs = self.remote.load_many([m.key for _, m in found], [object_nbytes(m.payload_nbytes) for _, m in found])
-        except TimeoutError:  # Redis is down or went away between the header and body reads: misses
+            objs = self.remote.load_objects(keys)
+        except TimeoutError:  # Redis is down or went away: misses
             logger.warning("remote read of %d foreign chunks timed out", len(keys))
             self.breakers[Tier.REMOTE].failed()
             return out, 0
         bad = 0
-        for (i, m), obj in zip(found, objs, strict=True):
-            if isinstance(obj, LoadFailure):
+        for i, (key, obj) in enumerate(zip(keys, objs, strict=True)):
+            if obj is None:
                 continue
-            if not object_ok(obj, m):
-                self.remote.suspect()
+            meta = None
+            if obj.numel() >= HEADER_NBYTES:
+                try:
+                    meta = parse_header(obj)
+                except CorruptChunkError as exc:
+                    logger.warning("corrupt remote header for %s: %s", key.hex(), exc)
+            if meta is None or meta.key != key or not object_ok(obj, meta):
                 bad += 1
                 continue
-            out[i] = (FetchedChunk(m, Tier.REMOTE, obj[HEADER_NBYTES:]), obj)
+            out[i] = (FetchedChunk(meta, Tier.REMOTE, obj[HEADER_NBYTES:]), obj)
         return out, bad
 
     def remove(self, tier: Tier, key: ChunkKey) -> bool:
@@ -228,6 +232,8 @@ class TierIO:
 
     def close(self, free_memory: bool = True) -> None:
         timeout = self._config.close_timeout_s
+        for breaker in self.breakers.values():
+            breaker.close()
         # Each LMCache adapter joins its demux thread (up to 0.5 s); close them side by side.
         closers = [
             threading.Thread(target=b.close, args=(timeout,), name="kv-sidecar-close", daemon=True)

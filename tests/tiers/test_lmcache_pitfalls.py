@@ -86,6 +86,22 @@ def test_resp_client_loses_sync_after_a_failed_get(redis_url: str, namespace: st
             io.close(2.0)
 
 
+def test_resp_batched_get_of_objects_of_different_sizes_fails(redis_url: str, namespace: str) -> None:
+    # Why the remote tier is not on this adapter: content-defined chunks all differ in size,
+    # and a batch of them read in one GET call fails past the first size.
+    ep = RemoteEndpoint.parse(redis_url)
+    k = lambda b: ObjectKey(chunk_hash=b, model_name=namespace, kv_rank=0)
+    io = L2Driver(create_l2_adapter(RESPL2AdapterConfig(host=ep.host, port=ep.port, num_workers=1), None), "pitfall")
+    try:
+        sizes = (1000, 1700)
+        for name, n in zip((b"a", b"b"), sizes):  # (a batched SET of the two fails already)
+            assert io.store([k(name)], [torch.full((n,), 7, dtype=torch.uint8)], 5.0)
+        got = io.load([k(b"a"), k(b"b")], [torch.empty(n, dtype=torch.uint8) for n in sizes], 2.0)
+        assert got is None or not all(got), got
+    finally:
+        io.close(2.0)
+
+
 def test_fs_native_store_of_an_existing_key_keeps_the_old_file(tmp_path) -> None:
     from lmcache.v1.distributed.l2_adapters.fs_native_l2_adapter import FSNativeL2AdapterConfig
 

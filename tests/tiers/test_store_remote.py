@@ -1,4 +1,5 @@
-"""Remote tier (LMCache RESP adapter on a real Redis): sharing, eviction, delete, resync."""
+"""Remote tier (redis-py with hiredis on a real Redis): sharing, eviction, delete, variable-size
+batches in one round trip, and a Redis that goes away and comes back."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def _put(store, i: int, layout: KVLayout, size: int, **kw):
 
 
 def _remote_keys(client, namespace: str) -> list[bytes]:
-    return sorted(client.keys(f"{namespace}@*"))
+    return sorted(client.keys(f"kvsidecar:{namespace}:*"))
 
 
 def test_remote_round_trip(make_store, redis_url, redis_client, namespace, layout: KVLayout, payload_size: int) -> None:
@@ -46,7 +47,7 @@ def test_remote_round_trip(make_store, redis_url, redis_client, namespace, layou
     assert (res.tier, res.published) == (Tier.REMOTE, True)
     got = store.get(key(1))
     assert got.tier == Tier.REMOTE and torch.equal(got.payload, make_payload(1, payload_size))
-    assert len(_remote_keys(redis_client, namespace)) == 2  # object + header copy
+    assert len(_remote_keys(redis_client, namespace)) == 1  # one object: header and payload
     assert store.get(key(2)) is None
     assert store.stats().tiers[Tier.REMOTE].hits == 1
 
@@ -61,7 +62,7 @@ def test_published_chunk_is_served_to_another_sidecar(
 
     consumer = make_store(cpu_bytes=1 << 20, remote_url=redis_url, remote_bytes=1 << 20)
     assert consumer.locate(key(1)) is None
-    got = consumer.get(key(1))  # never seen here: header copy, then the object
+    got = consumer.get(key(1))  # never seen here: the object says what it is
     assert got.tier == Tier.REMOTE and torch.equal(got.payload, make_payload(1, payload_size))
     assert got.meta == producer.meta(key(1))
     (ev,) = consumer.take_events()
@@ -84,8 +85,8 @@ def test_demotion_to_remote_then_eviction(
         (EventKind.DEMOTED, key(2), Tier.CPU, Tier.REMOTE),
     ]
     assert _remote_keys(redis_client, namespace) == sorted(
-        f"{namespace}@00000000@{group}@{key(i).hex()}".encode() for i in (1, 2) for group in (0, 1)
-    )  # chunks 1 and 2: the object (group 0) and its header copy (group 1)
+        f"kvsidecar:{namespace}:{key(i).hex()}".encode() for i in (1, 2)
+    )  # chunks 1 and 2
     assert store.get(key(0)) is None
     assert torch.equal(store.get(key(1), promote=False).payload, make_payload(1, payload_size))
 
@@ -114,7 +115,7 @@ def test_delete_removes_the_remote_copy(
 ) -> None:
     store = make_store(cpu_bytes=1 << 20, remote_url=redis_url, remote_bytes=1 << 20)
     _put(store, 1, layout, payload_size, publish=True)
-    assert len(_remote_keys(redis_client, namespace)) == 2
+    assert len(_remote_keys(redis_client, namespace)) == 1
     assert store.delete([key(1)]) == 1
     assert _remote_keys(redis_client, namespace) == []
     other = make_store(cpu_bytes=1 << 20, remote_url=redis_url, remote_bytes=1 << 20)
@@ -126,16 +127,15 @@ def test_delete_removes_the_remote_copy(
     assert store.locate(key(2)) == Tier.CPU  # the producer's local copy is its own business
 
 
-def test_remote_bytes_gone_behind_our_back_is_a_miss_and_the_connection_recovers(
+def test_remote_bytes_gone_behind_our_back_is_a_miss_and_the_rest_is_served(
     make_store, redis_url, redis_client, namespace, layout: KVLayout, payload_size: int
 ) -> None:
-    # LMCache's RESP client breaks its connection on a GET of a missing key or a size mismatch;
-    # the store must turn both into misses, not lose the good chunk queued behind them on the same
-    # connection (one worker: one connection), and keep serving.
+    # A deleted object and one of the wrong size in the same batch as a good one (one worker:
+    # one connection): both are misses, the good one is served, nothing reconnects.
     store = make_store(cpu_bytes=0, remote_url=redis_url, remote_bytes=1 << 20, remote_workers=1)
     for i in range(3):
         _put(store, i, layout, payload_size)
-    body = lambda i: f"{namespace}@00000000@0@{key(i).hex()}".encode()
+    body = lambda i: f"kvsidecar:{namespace}:{key(i).hex()}".encode()
     assert redis_client.delete(body(0)) == 1
     redis_client.set(body(1), b"short")  # same key, wrong size
     got = store.get_many([key(0), key(1), key(2)])
@@ -143,11 +143,37 @@ def test_remote_bytes_gone_behind_our_back_is_a_miss_and_the_connection_recovers
     assert torch.equal(got[2].payload, make_payload(2, payload_size))
     lost = {e.key: e.reason for e in store.take_events()}
     assert lost == {key(0): Reason.MISSING, key(1): Reason.CORRUPTION}
-    assert store.stats().remote_reconnects >= 1
-    # Still healthy afterwards: new writes and reads go through.
+    assert store.stats().remote_reconnects == 0
     _put(store, 3, layout, payload_size)
     assert torch.equal(store.get(key(3)).payload, make_payload(3, payload_size))
     assert torch.equal(store.get(key(2)).payload, make_payload(2, payload_size))
+
+
+def test_variable_size_chunks_are_read_in_one_round_trip_without_reconnecting(
+    make_store, redis_url, redis_client, layout: KVLayout
+) -> None:
+    """Content-defined chunks all differ in size: a batch of them, read by the sidecar that wrote
+    them and by a peer that only shares the server, is one MGET each and opens no connection."""
+    producer = make_store(cpu_bytes=0, remote_url=redis_url, remote_bytes=8 << 20)
+    peer = make_store(cpu_bytes=1 << 20, remote_url=redis_url, remote_bytes=8 << 20)
+    sizes = [layout.bytes_per_token * n for n in (13, 64, 7, 129, 40, 1, 77, 250)]
+    keys = [key(100 + i) for i in range(len(sizes))]
+    for i, (k, n) in enumerate(zip(keys, sizes)):
+        producer.put(k, make_payload(100 + i, n), layout=layout, num_tokens=n // layout.bytes_per_token, tenant="a")
+
+    def counts() -> tuple[int, int]:
+        mget = redis_client.info("commandstats").get("cmdstat_mget", {}).get("calls", 0)
+        return mget, redis_client.info("stats")["total_connections_received"]
+
+    assert peer.get(key(99)) is None  # the peer's first call opens its connection
+    for store in (producer, peer):
+        before = counts()
+        got = store.get_many(keys, promote=False)
+        assert [g.payload.numel() if g is not None else None for g in got] == sizes
+        assert all(torch.equal(g.payload, make_payload(100 + i, n)) for i, (g, n) in enumerate(zip(got, sizes)))
+        mget, conns = counts()
+        assert (mget - before[0], conns - before[1]) == (1, 0)
+        assert store.stats().remote_reconnects == 0
 
 
 def test_lost_local_copy_falls_back_to_the_remote_copy(
@@ -183,14 +209,15 @@ def test_redis_killed_and_restarted(make_store, tmp_path, layout: KVLayout, payl
         store = make_store(cpu_bytes=0, remote_url=server.url, remote_bytes=1 << 20, io_timeout_s=1.0)
         _put(store, 1, layout, payload_size)
         server.stop()
-        assert store.get(key(1)) is None  # a miss, not an exception (the RESP client cannot
-        # tell "down" from "missing": the chunk is reported LOST and forgotten)
-        assert [(e.kind, e.key) for e in store.take_events()] == [(EventKind.LOST, key(1))]
+        assert store.get(key(1)) is None  # a miss, not an exception
+        assert store.take_events() == [] and store.locate(key(1)) == Tier.REMOTE  # down is not lost
         with pytest.raises(TierUnavailableError):
             _put(store, 2, layout, payload_size)
-        assert store.locate(key(2)) is None and store.tenant_usage("a") == 0  # key 1 was forgotten too
+        assert store.locate(key(2)) is None
         server.start()  # empty: the old copy is gone with the process
-        assert store.get(key(1)) is None and store.locate(key(1)) is None
+        assert _after_backoff(lambda: store.get(key(1)) is None and store.locate(key(1)) is None or None)
+        assert [(e.kind, e.key, e.reason) for e in store.take_events()] == [(EventKind.LOST, key(1), Reason.MISSING)]
+        assert store.tenant_usage("a") == 0
         _after_backoff(lambda: _put(store, 3, layout, payload_size))
         assert torch.equal(store.get(key(3)).payload, make_payload(3, payload_size))
     finally:
@@ -222,95 +249,27 @@ def test_redis_that_stops_answering_times_out_as_a_miss(make_store, tmp_path, la
         server.stop()
 
 
-def test_a_replaced_connection_is_closed_before_the_next_one_opens(redis_url, namespace, monkeypatch) -> None:
-    # LMCache 0.5.6's native client can write to its eventfd while it closes; a connection opened
-    # meanwhile may get that fd number for its socket and be desynced by the write (the Redis-kill
-    # fault test once reconnected for 30 s). So the old connection is closed completely first, and
-    # calls made meanwhile fail at once instead of waiting on the close.
-    import threading
+def test_a_redis_that_comes_back_is_used_again_without_waiting_out_the_back_off(
+    restartable_redis, make_store, layout: KVLayout, payload_size: int
+) -> None:
+    """Down long enough for the breaker's back-off to reach its maximum, then back: the
+    breaker's probe re-admits the tier once Redis answers a PING, not when the back-off ends."""
+    import time
 
-    from sidecar.tiers.backends.l2_driver import L2Driver
-    from sidecar.tiers.backends.remote import RemoteTier
+    from sidecar.tiers import breaker
 
-    events: list[tuple[str, int]] = []
-    release = threading.Event()
-    real_close, real_connect = L2Driver.close, RemoteTier._connect
-
-    def close(self, timeout: float) -> bool:
-        events.append(("close", id(self)))
-        release.wait(30)
-        ok = real_close(self, timeout)
-        events.append(("closed", id(self)))
-        return ok
-
-    def connect(self) -> L2Driver:
-        io = real_connect(self)
-        events.append(("open", id(io)))
-        return io
-
-    monkeypatch.setattr(L2Driver, "close", close)
-    monkeypatch.setattr(RemoteTier, "_connect", connect)
-    tier = RemoteTier(url=redis_url, capacity_bytes=1 << 20, namespace=namespace, workers=1, timeout_s=5.0)
-    obj = torch.randint(0, 256, (HEADER_NBYTES + 4096,), dtype=torch.uint8)
-    try:
-        assert tier.store(key(1), obj)
-        first = events[0][1]
-        tier.suspect()  # a read failed verification: replace the connection
-        assert not tier.store(key(2), obj)  # while the old one closes: refused at once
-        with pytest.raises(TimeoutError):
-            tier.load_many([key(1)], [obj.numel()])
-        assert tier.reconnects == 1
-        release.set()
-        second = id(tier._next_io())
-        assert events == [("open", first), ("close", first), ("closed", first), ("open", second)]
-        assert tier.store(key(2), obj)
-        got = tier.load_many([key(1), key(2)], [obj.numel()] * 2)
-        assert all(torch.equal(g, obj) for g in got)
-    finally:
-        release.set()
-        assert tier.close(5.0)
-
-
-def test_the_native_client_never_connects_to_a_redis_that_is_down(restartable_redis, monkeypatch) -> None:
-    # LMCache 0.5.6's WorkerConn::connect closes its socket on a refused connect and its destructor
-    # closes the same fd number again, possibly another connection's by then (the Redis-kill fault
-    # test saw the shared registry read a chunk header a native GET asked for). So the tier opens a
-    # native connection only after a PING from Python succeeds, and retries in the background.
-    import redis
-
-    from sidecar.tiers.backends.remote import RemoteTier
-
-    url = restartable_redis.url
-    opened_while: list[bool] = []
-    real_connect = RemoteTier._connect
-
-    def connect(self):
-        try:
-            up = bool(redis.Redis.from_url(url, socket_timeout=1).ping())
-        except redis.ConnectionError:
-            up = False
-        opened_while.append(up)
-        return real_connect(self)
-
-    monkeypatch.setattr(RemoteTier, "_connect", connect)
+    store = make_store(cpu_bytes=0, remote_url=restartable_redis.url, remote_bytes=1 << 20, io_timeout_s=0.5)
+    _put(store, 1, layout, payload_size)
     restartable_redis.kill()
-    tier = RemoteTier(url=url, capacity_bytes=1 << 20, namespace="down", workers=2, timeout_s=5.0)
-    obj = torch.randint(0, 256, (HEADER_NBYTES + 1024,), dtype=torch.uint8)
-    try:
-        assert not tier.store(key(1), obj)  # refused at once: no connection yet
-        with pytest.raises(TimeoutError):
-            tier.load_many([key(1)], [obj.numel()])
-        assert opened_while == []
-        restartable_redis.start()
-        tier._next_io()  # the background connect, once Redis answers
-        assert tier.store(key(1), obj)
-        assert torch.equal(tier.load_many([key(1)], [obj.numel()])[0], obj)
-        restartable_redis.kill()  # down again: the connection fails and is replaced in the background
-        assert not tier.store(key(2), obj)
-        assert tier.reconnects == 1
-        restartable_redis.start()
-        tier._next_io()
-        assert tier.store(key(2), obj)
-        assert opened_while == [True, True]
-    finally:
-        assert tier.close(5.0)
+    trip = store._io.breakers[Tier.REMOTE]
+    while trip._backoff < breaker.MAX_S:  # each failed call doubles the back-off
+        trip._until = 0.0
+        assert store.get(key(9)) is None
+    assert trip.is_open()
+    restartable_redis.start()
+    deadline = time.monotonic() + breaker.MAX_S / 2  # well inside the back-off now in force
+    while trip.is_open():
+        assert time.monotonic() < deadline, "the breaker waited out its back-off"
+        time.sleep(0.05)
+    _put(store, 2, layout, payload_size)
+    assert torch.equal(store.get(key(2)).payload, make_payload(2, payload_size))
