@@ -64,6 +64,23 @@ def _flush_worker() -> None:
         w.flush()
 
 
+#: vLLM's prefix-cache counters (its own cache, and the connector's loads), per request
+_CACHE_COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+                   "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits")
+
+
+def _cache_counters(llm: Any) -> dict[str, float]:
+    out = dict.fromkeys(_CACHE_COUNTERS, 0.0)
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # noqa: BLE001 - stats disabled
+        return out
+    for m in metrics:
+        if m.name in out:
+            out[m.name] += float(getattr(m, "value", 0.0) or 0.0)
+    return out
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
@@ -80,9 +97,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         extra_args = {"kv_transfer_params": params}
         sp = SamplingParams(max_tokens=int(req.get("max_tokens", 16)), temperature=0.0, extra_args=extra_args,
                             ignore_eos=bool(req.get("ignore_eos", False)))
+        before = _cache_counters(llm)
         t1 = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": list(req["prompt_token_ids"])}], sp, use_tqdm=False)[0]
         wall = time.perf_counter() - t1
+        after = _cache_counters(llm)
         _flush_worker()  # in-process: the next request sees this one's background Store
         m = out.metrics
         results.append({
@@ -93,6 +112,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             "wall_s": wall,
             "prompt_tokens": len(req["prompt_token_ids"]),
             "num_cached_tokens": getattr(out, "num_cached_tokens", None),
+            "vllm_metrics": {k.removeprefix("vllm:"): after[k] - before[k] for k in _CACHE_COUNTERS},
         })
     worker = None
     try:

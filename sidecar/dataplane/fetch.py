@@ -63,7 +63,8 @@ class FetchPath:
         miss (``payload`` None). Nothing is changed except tier promotions (the Lookup that
         planned these hits already refreshed their registry recency and hit counts).
 
-        Memory: chunks are read in windows of about ``_FETCH_WINDOW_BYTES``; a chunk named by
+        Memory: chunks are read in windows of about ``_FETCH_WINDOW_BYTES``, the next window
+        while the current one is answered (at most two in memory); a chunk named by
         several items is read once and kept only until its last item (one rotated copy per
         distinct delta), so 4,096 copies of one chunk cost one read, not 4,096. Results that
         share a chunk and delta share their payload: callers must not write to it.
@@ -109,21 +110,37 @@ class FetchPath:
         held: dict[int, FetchedChunk | None] = {}  # chunks read, kept until their last item
         rotated: dict[tuple[int, int], torch.Tensor] = {}
         counters = self.counters
+        # Windows: items until the chunks still to read reach the window size; each chunk is
+        # read in the first window that names it and held until its last item.
+        windows: list[tuple[int, int, list[int]]] = []
+        seen: set[int] = set()
+        i = 0
+        while i < len(plan):
+            j, want, size = i, [], 0
+            while j < len(plan) and (j == i or size < _FETCH_WINDOW_BYTES):
+                h, e, _ = plan[j]
+                if e is not None and h not in seen:
+                    seen.add(h)
+                    want.append(h)
+                    size += e.num_tokens * per_token
+                j += 1
+            windows.append((i, j, want))
+            i = j
+
+        def read(want: list[int]) -> asyncio.Future | None:
+            if not want:
+                return None
+            return asyncio.ensure_future(asyncio.to_thread(self.store.get_many, [chunk_key(h) for h in want]))
+
+        # The next window is read while this one is sent (two windows in memory at most): a
+        # remote tier's round trips overlap the stream instead of adding to it.
+        pending = read(windows[0][2]) if windows else None
         try:
-            i = 0
-            while i < len(plan):
-                # The next window: items until the chunks still to read reach the window size.
-                j, want, size = i, [], 0
-                while j < len(plan) and (j == i or size < _FETCH_WINDOW_BYTES):
-                    h, e, _ = plan[j]
-                    if e is not None and h not in held and h not in want:
-                        want.append(h)
-                        size += e.num_tokens * per_token
-                    j += 1
-                if want:
-                    got = await asyncio.to_thread(self.store.get_many, [chunk_key(h) for h in want])
-                    for h, g in zip(want, got):
-                        held[h] = self._checked_chunk(entries[h], g, layout)
+            for w, (i, j, want) in enumerate(windows):
+                got = await pending if pending is not None else []
+                pending = read(windows[w + 1][2]) if w + 1 < len(windows) else None
+                for h, g in zip(want, got):
+                    held[h] = self._checked_chunk(entries[h], g, layout)
                 window: list[FetchResult] = []
                 to_rotate: list[FetchResult] = []
                 raw_here: set[int] = set()  # chunks whose raw payload an item of this window holds
@@ -170,8 +187,9 @@ class FetchPath:
                         counters.fetched_chunks += 1
                         counters.fetched_bytes += r.payload.numel()
                     yield r
-                i = j
         finally:
+            if pending is not None:  # the caller stopped early: the read in flight ends first
+                await asyncio.wait([pending])
             await self.synced()
 
     def _checked_chunk(self, e: ChunkEntry, got: FetchedChunk | None, layout: KVLayout) -> FetchedChunk | None:

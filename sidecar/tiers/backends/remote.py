@@ -58,7 +58,7 @@ class RemoteTier(ObjectBackend):
         # Calls come from the store's worker threads: one connection each, a caller waits for a
         # free one at most one I/O timeout.
         self._pool = redis.BlockingConnectionPool(
-            max_connections=max(2, 2 * workers), timeout=timeout_s,
+            max_connections=max(2, 2 * workers), timeout=timeout_s, socket_read_size=1 << 20,
             socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **kw,
         )
         self._client = redis.Redis(connection_pool=self._pool)
