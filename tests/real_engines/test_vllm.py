@@ -156,6 +156,7 @@ def test_shifted_chunks_after_new_header_gap_fill(engine_a, engine_b, prompts):
     # not counted), and the gap the sub-request computed (at least one whole block) is not
     # reported as a local prefix-cache hit of Z although Z then found it in vLLM's cache.
     m = z["vllm_metrics"]
+    print(f"Z in vLLM's metrics: {m}")
     assert m["prefix_cache_queries"] == len(prompts["z"]), m
     assert m["prefix_cache_hits"] <= info["local_tokens"] - 32, (m, info)
 
