@@ -136,6 +136,9 @@ class CacheIdentity:
     rope_fingerprint: str = ""
     block_size: int = 0
     namespace: str = ""
+    #: the part of the model's KV this identity's engine process holds ("tp1of2", "pp0of2",
+    #: "tp1of2.pp0of2"), or ""
+    shard: str = ""
     _salt: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -152,6 +155,7 @@ class CacheIdentity:
                 self.rope_fingerprint,
                 str(self.block_size),
                 self.namespace,
+                *((self.shard,) if self.shard else ()),  # unsharded identities keep their salts
             )
         )
         object.__setattr__(self, "_salt", xxhash.xxh64_intdigest(canon.encode()))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -169,8 +169,19 @@ def tokenizer_hash(tokenizer_dir: str) -> str:
     return h.hexdigest() if found else ""
 
 
+def shard_name(rank: int, size: int, stage: int = 0, stages: int = 1) -> str:
+    """``CacheIdentity.shard`` of tensor-parallel rank ``rank`` of ``size`` in pipeline stage
+    ``stage`` of ``stages``: "tp1of2", "pp0of2", "tp1of2.pp0of2"; "" without either."""
+    return ".".join(([f"tp{rank}of{size}"] if size > 1 else []) + ([f"pp{stage}of{stages}"] if stages > 1 else []))
+
+
 @dataclass(frozen=True)
 class EngineShape:
+    """One engine process's view of the model's KV: under tensor parallelism ``num_kv_heads`` are
+    this rank's heads, under pipeline parallelism ``num_layers`` this stage's layers, and
+    ``identity`` names the shard (rank 0 of stage 0, the scheduler side's plan identity, until
+    the worker knows where it sits: ``for_rank``)."""
+
     num_layers: int
     num_kv_heads: int
     head_size: int
@@ -179,6 +190,32 @@ class EngineShape:
     layout: KVLayout
     rope: "RopeSpec"
     identity: CacheIdentity
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    #: the scheduler side's identity (rank 0 of stage 0), kept by ``for_rank``
+    planned: CacheIdentity | None = None
+
+    def for_rank(self, rank: int, stage: int = 0, num_layers: int | None = None) -> "EngineShape":
+        """This shape as tensor-parallel rank ``rank`` of pipeline stage ``stage`` holds it
+        (``num_layers``: the stage's layers, as many KV caches as vLLM registered): its own
+        shard's layout and identity."""
+        if not (0 <= rank < self.tp_size and 0 <= stage < self.pp_size):
+            raise ValueError(f"tensor-parallel rank {rank} of {self.tp_size}, pipeline stage {stage} of {self.pp_size}")
+        n = self.num_layers if num_layers is None else num_layers
+        layout = KVLayout.gqa(num_layers=n, num_kv_heads=self.num_kv_heads, head_dim=self.head_size, dtype=self.dtype)
+        identity = replace(self.identity, kv_layout=layout.fingerprint(),
+                           shard=shard_name(rank, self.tp_size, stage, self.pp_size))
+        return replace(self, num_layers=n, layout=layout, identity=identity, tp_rank=rank, pp_rank=stage,
+                       planned=self.planned or self.identity)
+
+    @property
+    def plan_identity(self) -> CacheIdentity | None:
+        """The identity the scheduler side plans under, when this shard's differs: the shard
+        fetches the plan's chunks as its own (``Fetch`` with ``plan_identity``)."""
+        planned = self.planned
+        return None if planned is None or planned == self.identity else planned
 
 
 def kv_dtype_name(vllm_config: Any) -> str:
@@ -196,12 +233,15 @@ def engine_shape(vllm_config: Any, settings: Settings) -> EngineShape:
 
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
-    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
-        raise ValueError("the sidecar connector supports tensor/pipeline parallel size 1 only")
+    tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
     if mc.use_mla:
         raise ValueError("MLA models are not supported by the vLLM sidecar connector yet")
-    num_layers = mc.get_num_layers(pc)
-    kv_heads = mc.get_num_kv_heads(pc)
+    # The plan identity is stage 0's in every process (a worker's own stage is set by for_rank).
+    from vllm.distributed.utils import get_pp_indices
+
+    first, last = get_pp_indices(mc.get_total_num_hidden_layers(), 0, pp)
+    num_layers = last - first
+    kv_heads = mc.get_num_kv_heads(pc)  # this rank's heads (replicated when TP exceeds the KV heads)
     head = mc.get_head_size()
     block = vllm_config.cache_config.block_size
     dtype = kv_dtype_name(vllm_config)
@@ -220,8 +260,9 @@ def engine_shape(vllm_config: Any, settings: Settings) -> EngineShape:
         rope_fingerprint=rope.fingerprint,
         block_size=block,
         namespace=settings.namespace,
+        shard=shard_name(0, tp, 0, pp),
     )
-    return EngineShape(num_layers, kv_heads, head, block, dtype, layout, rope, identity)
+    return EngineShape(num_layers, kv_heads, head, block, dtype, layout, rope, identity, tp_size=tp, pp_size=pp)
 
 
 def describe(shape: EngineShape) -> str:
@@ -229,7 +270,7 @@ def describe(shape: EngineShape) -> str:
     return json.dumps({"model_id": i.model_id, "weights": i.weights_hash, "tokenizer": i.tokenizer_hash,
                        "layers": shape.num_layers, "kv_heads": shape.num_kv_heads, "head": shape.head_size,
                        "block": shape.block_size, "dtype": shape.dtype, "pairing": shape.rope.pairing.value,
-                       "identity": i.fingerprint})
+                       "tp": shape.tp_size, "pp": shape.pp_size, "identity": i.fingerprint})
 
 
 def env_flag(name: str, default: bool = False) -> bool:

@@ -1,7 +1,10 @@
 """The connector's worker side: Fetch into the paged KV cache before the forward, Store after it.
 
 Runs in each vLLM worker (the model's process), called by the connector facade
-(``connector.py``)::
+(``connector.py``). Under tensor parallelism each rank loads and saves its own KV heads as its
+own shard (``CacheIdentity.shard``), fetching the chunks the scheduler side planned under rank
+0's identity with ``plan_identity`` (the sidecar serves the same tokens' chunk of this shard);
+a rank whose load failed reports its blocks, and vLLM recomputes them on every rank::
 
     start-up      register_kv_caches(layers)  CPU backend: learn its block layout (paged.py);
                                               other devices: vLLM's standard [B, H, N, K | V]
@@ -70,6 +73,14 @@ class WorkerSide:
 
         names = sorted(kv_caches, key=extract_layer_index)
         layers = [kv_caches[n] for n in names]
+        if self.shape.tp_size > 1 or self.shape.pp_size > 1:  # this rank's heads and stage's layers
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+            self.shape = self.shape.for_rank(get_tensor_model_parallel_rank(), get_pp_group().rank_in_group,
+                                             num_layers=len(layers) if self.shape.pp_size > 1 else None)
+            log.info("sidecar connector (worker): tensor-parallel rank %d of %d, pipeline stage %d of %d "
+                     "(%d layers), shard %s", self.shape.tp_rank, self.shape.tp_size, self.shape.pp_rank,
+                     self.shape.pp_size, len(layers), self.shape.identity.shard)
         if len(layers) != self.shape.num_layers:
             self._disable(f"{len(layers)} KV cache tensors for {self.shape.num_layers} layers")
             return
@@ -156,7 +167,8 @@ class WorkerSide:
         t0 = time.perf_counter()
         sh = self.shape
         got = self.link.call("fetch", job.tenant, lambda c: c.fetch(
-            [it.fetch_item for it in job.items], identity=sh.identity, layout=sh.layout, rope=sh.rope))
+            [it.fetch_item for it in job.items], identity=sh.identity, layout=sh.layout, rope=sh.rope,
+            plan_identity=sh.plan_identity))
         t1 = time.perf_counter()
         # the fetched rows of each run of contiguous items, copied into the paged cache at once
         runs: list[tuple[int, int, list[torch.Tensor]]] = []

@@ -90,17 +90,17 @@ class IdentityCache:
         if not present or not msg.model_id:
             raise InvalidArgument("identity.model_id is required")
         key = (msg.model_id, msg.weights_hash, msg.tokenizer_hash, msg.kv_layout, msg.rope_fingerprint,
-               msg.block_size, msg.namespace)
+               msg.block_size, msg.namespace, msg.shard)
         if sum(len(k) for k in key if isinstance(k, str)) <= self._max_key_bytes:
             return self._build(*key)
         return _build_identity(*key)
 
 
 def _build_identity(model_id: str, weights_hash: str, tokenizer_hash: str, kv_layout: str, rope_fingerprint: str,
-                    block_size: int, namespace: str) -> CacheIdentity:
+                    block_size: int, namespace: str, shard: str) -> CacheIdentity:
     return CacheIdentity(
         model_id=model_id, weights_hash=weights_hash, tokenizer_hash=tokenizer_hash, kv_layout=kv_layout,
-        rope_fingerprint=rope_fingerprint, block_size=block_size, namespace=namespace,
+        rope_fingerprint=rope_fingerprint, block_size=block_size, namespace=namespace, shard=shard,
     )
 
 
@@ -167,7 +167,7 @@ def identity_to_wire(identity: CacheIdentity) -> pb.CacheIdentity:
     return pb.CacheIdentity(
         model_id=identity.model_id, weights_hash=identity.weights_hash, tokenizer_hash=identity.tokenizer_hash,
         kv_layout=identity.kv_layout, rope_fingerprint=identity.rope_fingerprint, block_size=identity.block_size,
-        namespace=identity.namespace,
+        namespace=identity.namespace, shard=identity.shard,
     )
 
 
@@ -385,15 +385,18 @@ def fetch_request(
     rope: RopeSpec | None,
     items: Sequence[tuple[int, int] | FetchSpec],
     raw: bool = False,
+    plan_identity: CacheIdentity | None = None,
 ) -> pb.FetchRequest:
     """A ``FetchRequest`` for ``items`` in order (no shared-memory buffer named: the SDK names
-    one per attempt)."""
+    one per attempt); ``plan_identity``: the shard of ``identity`` the items were planned under."""
     req = pb.FetchRequest(
         identity=identity_to_wire(identity), layout=layout_to_wire(layout), raw=raw,
         items=[fetch_item(it) for it in items],
     )
     if rope is not None:
         req.rope.CopyFrom(rope_to_wire(rope))
+    if plan_identity is not None:
+        req.plan_identity.CopyFrom(identity_to_wire(plan_identity))
     return req
 
 

@@ -56,14 +56,19 @@ def fetch_call(
     layout: KVLayout,
     rope: RopeSpec | None = None,
     raw: bool = False,
+    plan_identity: CacheIdentity | None = None,
 ) -> FrameCall:
     """Fetch chunk KV: ``items`` are ``(chunk_hash, target_pos)`` with ``target_pos`` the
     position of the chunk's first token in the new sequence (``seg.start -
     seg.chunk_offset``), or ``FetchSpec`` spans (``plan.fetch_spans()``: one item per hit
     segment, its KV rows in position order, ``num_tokens`` = the segment's length). Results
     (``FetchedKV``) come in item order; misses have ``ok=False``. With ``raw`` the payloads
-    stay at their source position. Idempotent (retried when transient)."""
-    return FrameCall(fetch_request(identity, layout, rope, items, raw), items, fetch_need(items, layout))
+    stay at their source position. ``plan_identity``: the items' hashes come from a Lookup under
+    this other shard of ``identity`` (a tensor-parallel rank fetching its own heads of the chunks
+    rank 0 planned); each is served from the same tokens' chunk under ``identity``. Idempotent
+    (retried when transient)."""
+    return FrameCall(fetch_request(identity, layout, rope, items, raw, plan_identity), items,
+                     fetch_need(items, layout))
 
 
 def fetch_session_call(

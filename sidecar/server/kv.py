@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 import grpc
@@ -31,6 +31,7 @@ from sidecar.api.kv import (
 from sidecar.claims import ClaimLedger
 from sidecar.config import SidecarConfig
 from sidecar.dataplane import DataPlane
+from sidecar.dataplane.shards import check_shards, translate
 from sidecar.dataplane.spans import SpanResult, regroup
 from sidecar.dataplane.spans import check as check_spans
 from sidecar.dataplane.spans import expand as expand_spans
@@ -318,6 +319,18 @@ class KVHandlers:
             chunk_bounds=np.asarray(bounds, dtype="<u4").tobytes(),
         )
 
+    def _plan_keys(self, request: wire.FetchRequest, identity: CacheIdentity, tenant: str) -> Callable[[int], int]:
+        """How the request's chunk hashes map to keys under ``identity``: as they are, or, with a
+        ``plan_identity`` (another shard's plan), to the same tokens' chunks of this shard."""
+        if not request.HasField("plan_identity"):
+            return int
+        if not request.plan_identity.model_id:
+            raise InvalidArgument("plan_identity.model_id is required")
+        plan = self.edge.identities.get(request.plan_identity, True)
+        check_shards(identity, plan)
+        hashes = [h for it in request.items for h in (it.chunk_hash, *it.next_hashes)]
+        return translate(hashes, identity, self.index.registry.peek, (tenant, SHARED_SCOPE)).__getitem__
+
     async def _committed(self, work: Coroutine[Any, Any, _T]) -> _T:
         """Run a committed write to its end even if the call is cancelled meanwhile: a cancel
         after the commit message must not leave half a Store (or its thread's writes) behind."""
@@ -348,9 +361,11 @@ class KVHandlers:
             rope = rope_from_wire(request.rope) if request.HasField("rope") else None
             if len(request.items) > self.config.max_fetch_items:
                 raise InvalidArgument(f"items: {len(request.items)} exceeds max_fetch_items {self.config.max_fetch_items}")
+            key = self._plan_keys(request, identity, tenant)
             if any(it.num_tokens or it.next_hashes or it.row_offset for it in request.items):
                 # Span items (one per plan hit segment): expanded to per-chunk items, joined back.
-                specs = [FetchSpec(it.chunk_hash, it.target_pos, it.num_tokens, it.row_offset, tuple(it.next_hashes))
+                specs = [FetchSpec(key(it.chunk_hash), it.target_pos, it.num_tokens, it.row_offset,
+                                   tuple(map(key, it.next_hashes)))
                          for it in request.items]
                 check_spans(specs)
                 items, groups = expand_spans(specs, self.index.registry.peek)
@@ -360,7 +375,7 @@ class KVHandlers:
                     tenant, identity, layout, rope, items, request.raw, self.config.max_fetch_bytes
                 ), groups, layout, as_pieces=shm is not None)  # into shared memory: gathered, not joined
             else:
-                items = [(it.chunk_hash, it.target_pos) for it in request.items]
+                items = [(key(it.chunk_hash), it.target_pos) for it in request.items]
                 # Item by item (the data plane reads in bounded windows, duplicates once); every
                 # validation error and the max_fetch_bytes refusal come with the first result.
                 results = self.dataplane.fetch_stream(

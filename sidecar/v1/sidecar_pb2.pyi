@@ -120,7 +120,7 @@ ADMIT_DECISION_DEFERRED: AdmitDecision
 ADMIT_DECISION_REFUSED: AdmitDecision
 
 class CacheIdentity(_message.Message):
-    __slots__ = ("model_id", "weights_hash", "tokenizer_hash", "kv_layout", "rope_fingerprint", "block_size", "namespace")
+    __slots__ = ("model_id", "weights_hash", "tokenizer_hash", "kv_layout", "rope_fingerprint", "block_size", "namespace", "shard")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class CacheIdentity(_message.Message):
     ROPE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     weights_hash: str
     tokenizer_hash: str
@@ -135,7 +136,8 @@ class CacheIdentity(_message.Message):
     rope_fingerprint: str
     block_size: int
     namespace: str
-    def __init__(self, model_id: _Optional[str] = ..., weights_hash: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., kv_layout: _Optional[str] = ..., rope_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
+    shard: str
+    def __init__(self, model_id: _Optional[str] = ..., weights_hash: _Optional[str] = ..., tokenizer_hash: _Optional[str] = ..., kv_layout: _Optional[str] = ..., rope_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., namespace: _Optional[str] = ..., shard: _Optional[str] = ...) -> None: ...
 
 class KVPart(_message.Message):
     __slots__ = ("name", "shape", "dtype", "rotary")
@@ -298,20 +300,22 @@ class FetchItem(_message.Message):
     def __init__(self, chunk_hash: _Optional[int] = ..., target_pos: _Optional[int] = ..., num_tokens: _Optional[int] = ..., row_offset: _Optional[int] = ..., next_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("identity", "layout", "rope", "items", "raw", "shm")
+    __slots__ = ("identity", "layout", "rope", "items", "raw", "shm", "plan_identity")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ROPE_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    PLAN_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     identity: CacheIdentity
     layout: KVLayout
     rope: RopeParams
     items: _containers.RepeatedCompositeFieldContainer[FetchItem]
     raw: bool
     shm: SharedMemory
-    def __init__(self, identity: _Optional[_Union[CacheIdentity, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., rope: _Optional[_Union[RopeParams, _Mapping]] = ..., items: _Optional[_Iterable[_Union[FetchItem, _Mapping]]] = ..., raw: bool = ..., shm: _Optional[_Union[SharedMemory, _Mapping]] = ...) -> None: ...
+    plan_identity: CacheIdentity
+    def __init__(self, identity: _Optional[_Union[CacheIdentity, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., rope: _Optional[_Union[RopeParams, _Mapping]] = ..., items: _Optional[_Iterable[_Union[FetchItem, _Mapping]]] = ..., raw: bool = ..., shm: _Optional[_Union[SharedMemory, _Mapping]] = ..., plan_identity: _Optional[_Union[CacheIdentity, _Mapping]] = ...) -> None: ...
 
 class SharedMemory(_message.Message):
     __slots__ = ("name", "token")

@@ -94,7 +94,7 @@ class FakeScheduler:
     def __init__(
         self,
         side: SchedulerSide,
-        worker: WorkerSide | None = None,
+        worker: WorkerSide | list[WorkerSide] | None = None,
         *,
         pool: tuple[int, int] | None = (1000, 900),
         bind: bool = True,
@@ -102,7 +102,9 @@ class FakeScheduler:
         before_forward: Callable[[StepJobs], None] | None = None,
     ) -> None:
         self.side = side
-        self.worker = worker
+        # tensor-parallel ranks in order: rank r holds heads [r * H, (r + 1) * H) of the model
+        self.workers = [] if worker is None else list(worker) if isinstance(worker, list) else [worker]
+        self.worker = self.workers[0] if self.workers else None
         self.block_size = side.block_size
         self.pool = pool
         self.take = take
@@ -174,12 +176,15 @@ class FakeScheduler:
         jobs = self.side.build_jobs(out)
         if self.before_forward is not None:
             self.before_forward(jobs)
-        if self.worker is not None:
-            self.worker.load(jobs.loads)
-            failed = self.worker.take_load_errors()
+        if self.workers:
+            failed: set[int] = set()
+            for w in self.workers:  # vLLM recomputes the blocks any rank failed to load, on every rank
+                w.load(jobs.loads)
+                failed |= w.take_load_errors()
             for s in scheduled:
                 self._forward(s, failed)
-            self.worker.save(jobs.stores)
+            for w in self.workers:
+                w.save(jobs.stores)
         for s in scheduled:
             self._finish(s)
         self.steps.append((scheduled, jobs))
@@ -201,9 +206,20 @@ class FakeScheduler:
         redo = [p for i, b in enumerate(s.block_ids) if b in failed for p in range(i * B, min((i + 1) * B, n))]
         if redo:
             pos = np.union1d(pos, np.asarray(redo))
-        paged, shape = self.worker.paged, self.worker.shape
-        rows = kv_rows(tokens, pos, shape.num_layers, shape.num_kv_heads, shape.head_size, paged.dtype)
-        paged.scatter(rows, torch.tensor(s.block_ids, dtype=torch.int64), torch.from_numpy(pos.astype(np.int64)))
+        shape = self.worker.shape
+        h = shape.num_kv_heads
+        stages = self.stage_layers()
+        rows = kv_rows(tokens, pos, sum(stages.values()), h * shape.tp_size, shape.head_size, self.worker.paged.dtype)
+        for w in self.workers:
+            ws = w.shape
+            lo = sum(n for stage, n in stages.items() if stage < ws.pp_rank)
+            w.paged.scatter(rows[lo:lo + ws.num_layers, :, :, ws.tp_rank * h:(ws.tp_rank + 1) * h],
+                            torch.tensor(s.block_ids, dtype=torch.int64), torch.from_numpy(pos.astype(np.int64)))
+
+    def stage_layers(self) -> dict[int, int]:
+        """Pipeline stage -> its number of layers (each worker holds its stage's layers and its
+        tensor-parallel rank's heads of the model's KV)."""
+        return {w.shape.pp_rank: w.shape.num_layers for w in self.workers}
 
     def _finish(self, s: Scheduled) -> None:
         req = s.request
