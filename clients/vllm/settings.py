@@ -66,6 +66,9 @@ class Settings:
     arbitration (``admit_gate.py``): report the pool and ask ``AdmitActive`` before a prefill of
     at least ``admit_min_tokens``; hold deferred or refused requests, re-asking at most every
     ``admit_retry_s``, at most ``admit_max_wait_s``.
+    rotate: who re-positions shifted keys: "sidecar" (on its CPU, before answering), "engine"
+    (the worker fetches raw rows and rotates them on the cache's device with the project's
+    kernels), or "auto" (default: "engine" for a cache on a GPU, else "sidecar").
     """
 
     target: str
@@ -94,6 +97,7 @@ class Settings:
     admit_retry_s: float = 0.05
     admit_max_wait_s: float = 30.0
     engine_id: str = ""
+    rotate: str = "auto"
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "Settings":
@@ -110,6 +114,8 @@ class Settings:
         s = cls(**kw)
         if s.store not in ("async", "sync", "off"):
             raise ValueError('kv_connector_extra_config "store": one of "async", "sync", "off"')
+        if s.rotate not in ("auto", "sidecar", "engine"):
+            raise ValueError('kv_connector_extra_config "rotate": one of "auto", "sidecar", "engine"')
         return s
 
 

@@ -166,33 +166,61 @@ class WorkerSide:
             return
         t0 = time.perf_counter()
         sh = self.shape
+        engine_rotates = self.engine_rotates
         got = self.link.call("fetch", job.tenant, lambda c: c.fetch(
             [it.fetch_item for it in job.items], identity=sh.identity, layout=sh.layout, rope=sh.rope,
-            plan_identity=sh.plan_identity))
+            raw=engine_rotates, plan_identity=sh.plan_identity))
         t1 = time.perf_counter()
-        # the fetched rows of each run of contiguous items, copied into the paged cache at once
-        runs: list[tuple[int, int, list[torch.Tensor]]] = []
+        # the fetched rows of each run of contiguous items (and, when this worker rotates, each
+        # item's delta), copied into the paged cache at once
+        runs: list[tuple[int, int, list[torch.Tensor], list[tuple[int, int]]]] = []
         for i, it in enumerate(job.items):
             f = got[i] if got is not None else None
             n = len(it)
-            if f is None or not f.ok or f.num_tokens < it.row + n or not (f.rotated or f.delta == 0):
+            if f is None or not f.ok or f.num_tokens < it.row + n or not (f.rotated or f.delta == 0 or engine_rotates):
                 self._fail_blocks(job, it.start, it.end)
                 continue
             rows = stacked_view(f.data, sh.layout, f.num_tokens)[:, :, it.row : it.row + n]
+            delta = (n, 0 if f.rotated else f.delta)
             if runs and runs[-1][1] == it.start:
-                runs[-1] = (runs[-1][0], it.end, runs[-1][2] + [rows])
+                runs[-1] = (runs[-1][0], it.end, runs[-1][2] + [rows], runs[-1][3] + [delta])
             else:
-                runs.append((it.start, it.end, [rows]))
+                runs.append((it.start, it.end, [rows], [delta]))
             self.counters["loaded_tokens"] += n
             self.counters["fetch_bytes"] += len(f.data)
         block_ids = torch.tensor(job.block_ids, dtype=torch.int64)
         with single_threaded():
-            for start, end, parts in runs:
+            for start, end, parts, deltas in runs:
                 rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+                if any(d for _, d in deltas):
+                    rows = self._rotate(rows, deltas)
                 self.paged.scatter(rows, block_ids, torch.arange(start, end, dtype=torch.int64))
         self.counters["fetch_us"] += int((t1 - t0) * 1e6)
         self.counters["scatter_us"] += int((time.perf_counter() - t1) * 1e6)
         self.counters["loads"] += 1
+
+    @property
+    def engine_rotates(self) -> bool:
+        """Whether this worker rotates shifted keys itself (``settings.rotate``; "auto": when the
+        cache is on a GPU, so the sidecar's CPU is not the bottleneck)."""
+        mode = self.settings.rotate
+        if mode == "auto":
+            return self.paged is not None and getattr(self.paged, "device", torch.device("cpu")).type == "cuda"
+        return mode == "engine"
+
+    def _rotate(self, rows: torch.Tensor, deltas: list[tuple[int, int]]) -> torch.Tensor:
+        """``[L, 2, n, H, D]`` rows with their keys re-positioned by each item's delta (``(tokens,
+        delta)`` per item, in order), on the cache's device: one kernel call for the run (a
+        per-token delta tensor), fp32 math as the sidecar's rotation."""
+        from sidecar.rotation import rotate_keys
+
+        device = getattr(self.paged, "device", rows.device)
+        rows = rows.to(device)
+        per_token = torch.cat([torch.full((n,), d, dtype=torch.int64) for n, d in deltas]).to(device)
+        keys = rows[:, 0]  # [L, n, H, D]
+        rows[:, 0] = rotate_keys(keys, per_token.view(1, -1, 1), self.shape.rope)
+        self.counters["engine_rotated_tokens"] += int(sum(n for n, d in deltas if d))
+        return rows
 
     def take_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call (vLLM recomputes them)."""

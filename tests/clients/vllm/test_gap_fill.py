@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from sidecar.registry.lookup_plan import SegmentKind
-from tests.clients.vllm.conftest import BLOCK
+from tests.clients.vllm.conftest import BLOCK, Prompts
 from tests.clients.vllm.fakes import FakeScheduler, Request, kv_rows
 
 
@@ -97,3 +97,23 @@ def test_a_short_run_after_the_gap_is_not_worth_a_sub_request(engine, prompts):
     s.add_request(Request("x", x))
     s.step()
     assert s.gap_fill_requests == [] and s.outputs["x"]["sidecar"]["gap_fills"] == 0
+
+
+def test_the_engine_rotating_raw_rows_loads_what_the_sidecar_rotating_loads(engine):
+    """``rotate = "engine"`` (the default for a cache on a GPU): the worker fetches raw rows and
+    re-positions the keys on the cache's device with the project's kernels; the loaded cache is
+    the one the sidecar's own rotation gives, bit for bit."""
+    loaded = {}
+    for mode in ("sidecar", "engine"):  # each in a tenant of its own: the same stored body, nothing else
+        body = stored_body(engine, Prompts(5), tenant=f"rotate-{mode}")
+        x = body[:5] + body + body[-25:]  # the body moved from position 61 to 5
+        side, worker = engine(min_gap_run=64, rotate=mode)
+        s = FakeScheduler(side, worker)
+        s.add_request(Request("x", x, {"sidecar_tenant": f"rotate-{mode}"}))
+        s.run()
+        [load] = s.steps[-1][1].loads
+        assert not load.items[0].exact and worker.engine_rotates is (mode == "engine")
+        rotated = worker.counters["engine_rotated_tokens"]
+        assert (rotated > 0) is (mode == "engine") and worker.counters["load_failed_tokens"] == 0
+        loaded[mode] = worker.paged.gather(torch.tensor(load.block_ids, dtype=torch.int64), torch.arange(len(x)))
+    assert torch.equal(loaded["engine"], loaded["sidecar"])
