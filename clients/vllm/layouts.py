@@ -35,7 +35,8 @@ import torch
 from sidecar.api.payload import decode_payload
 from sidecar.identity import KVLayout
 
-__all__ = ["SUPPORTED_DTYPES", "PagedSpec", "Run", "UnsupportedLayout", "gather", "load_", "save", "slots"]
+__all__ = ["SUPPORTED_DTYPES", "LatentKV", "PagedSpec", "Run", "StandardKV", "UnsupportedLayout", "gather", "load_",
+           "save", "slots"]
 
 SUPPORTED_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
 _PAYLOAD_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -267,3 +268,39 @@ class StandardKV:
         for li, t in enumerate(self.layers):
             t[..., :D][blk, :, off] = rows[li, 0]
             t[..., D:][blk, :, off] = rows[li, 1]
+
+
+class LatentKV:
+    """An MLA cache in vLLM's standard layout (per layer the logical ``[B, 1, N, C]`` view, ``C =
+    kv_lora_rank + rope_dim``, rope part last), as the worker moves it: ``gather`` / ``scatter`` of
+    latent rows ``[L, n, C]`` at a request's token positions (``rows.LatentRows``), one indexed copy
+    per layer, on any device."""
+
+    def __init__(self, layers: list[torch.Tensor], spec: PagedSpec) -> None:
+        if not spec.mla:
+            raise UnsupportedLayout("LatentKV serves MLA caches (one latent row per token)")
+        for t in layers:
+            spec.check_view(t)
+        self.layers = layers
+        self.spec = spec
+        self.device = layers[0].device
+        self.dtype = spec.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def _slots(self, block_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return slots(block_ids.to(self.device), positions.to(self.device), self.spec.block_size)
+
+    def gather(self, block_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Latent rows of ``positions`` (int64 [n]) as ``[L, n, C]`` on the CPU (a new tensor)."""
+        blk, off = self._slots(block_ids, positions)
+        return torch.stack([t[blk, 0, off] for t in self.layers]).cpu()
+
+    def scatter(self, rows: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write ``[L, n, C]`` latent rows (any device) at ``positions`` (int64 [n])."""
+        blk, off = self._slots(block_ids, positions)
+        rows = rows.to(self.device, non_blocking=False)
+        for li, t in enumerate(self.layers):
+            t[blk, 0, off] = rows[li]

@@ -175,6 +175,15 @@ def tokenizer_hash(tokenizer_dir: str) -> str:
     return h.hexdigest() if found else ""
 
 
+def kv_layout(num_layers: int, num_kv_heads: int, head_size: int, dtype: str, mla_rope_dim: int = 0) -> KVLayout:
+    """The payload layout of vLLM's cache rows: GQA / MHA ``[K | V]``, or with ``mla_rope_dim``
+    an MLA latent row of ``head_size`` (``c_kv`` then the rope part ``k_pe``)."""
+    if mla_rope_dim:
+        return KVLayout.mla(num_layers=num_layers, kv_lora_rank=head_size - mla_rope_dim,
+                            qk_rope_head_dim=mla_rope_dim, dtype=dtype)
+    return KVLayout.gqa(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_size, dtype=dtype)
+
+
 def shard_name(rank: int, size: int, stage: int = 0, stages: int = 1) -> str:
     """``CacheIdentity.shard`` of tensor-parallel rank ``rank`` of ``size`` in pipeline stage
     ``stage`` of ``stages``: "tp1of2", "pp0of2", "tp1of2.pp0of2"; "" without either."""
@@ -200,6 +209,10 @@ class EngineShape:
     tp_rank: int = 0
     pp_size: int = 1
     pp_rank: int = 0
+    #: MLA: one latent row per token (``head_size`` = kv_lora_rank + ``rope_dim``, rope last),
+    #: the same on every tensor-parallel rank
+    mla: bool = False
+    rope_dim: int = 0
     #: the scheduler side's identity (rank 0 of stage 0), kept by ``for_rank``
     planned: CacheIdentity | None = None
 
@@ -210,11 +223,21 @@ class EngineShape:
         if not (0 <= rank < self.tp_size and 0 <= stage < self.pp_size):
             raise ValueError(f"tensor-parallel rank {rank} of {self.tp_size}, pipeline stage {stage} of {self.pp_size}")
         n = self.num_layers if num_layers is None else num_layers
-        layout = KVLayout.gqa(num_layers=n, num_kv_heads=self.num_kv_heads, head_dim=self.head_size, dtype=self.dtype)
+        layout = self.layout_of(n)
+        # An MLA latent is not split by tensor parallelism: every rank holds (and reads) one shard.
         identity = replace(self.identity, kv_layout=layout.fingerprint(),
-                           shard=shard_name(rank, self.tp_size, stage, self.pp_size))
+                           shard=shard_name(0, 1, stage, self.pp_size) if self.mla
+                           else shard_name(rank, self.tp_size, stage, self.pp_size))
         return replace(self, num_layers=n, layout=layout, identity=identity, tp_rank=rank, pp_rank=stage,
                        planned=self.planned or self.identity)
+
+    def layout_of(self, num_layers: int) -> KVLayout:
+        return kv_layout(num_layers, self.num_kv_heads, self.head_size, self.dtype, self.rope_dim if self.mla else 0)
+
+    @property
+    def stores(self) -> bool:
+        """Whether this worker Stores: every shard once (an MLA latent only from TP rank 0)."""
+        return not (self.mla and self.tp_rank)
 
     @property
     def plan_identity(self) -> CacheIdentity | None:
@@ -240,20 +263,20 @@ def engine_shape(vllm_config: Any, settings: Settings) -> EngineShape:
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
     tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
-    if mc.use_mla:
-        raise ValueError("MLA models are not supported by the vLLM sidecar connector yet")
+    mla = bool(mc.use_mla)
     # The plan identity is stage 0's in every process (a worker's own stage is set by for_rank).
     from vllm.distributed.utils import get_pp_indices
 
     first, last = get_pp_indices(mc.get_total_num_hidden_layers(), 0, pp)
     num_layers = last - first
-    kv_heads = mc.get_num_kv_heads(pc)  # this rank's heads (replicated when TP exceeds the KV heads)
-    head = mc.get_head_size()
+    head = mc.get_head_size()  # MLA: kv_lora_rank + qk_rope_head_dim, the latent row
+    kv_heads = 1 if mla else mc.get_num_kv_heads(pc)  # this rank's heads (replicated when TP exceeds them)
+    rope_dim = int(mc.hf_config.qk_rope_head_dim) if mla else 0
     block = vllm_config.cache_config.block_size
     dtype = kv_dtype_name(vllm_config)
-    layout = KVLayout.gqa(num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head, dtype=dtype)
     neox = True if settings.rope_is_neox_style is None else bool(settings.rope_is_neox_style)
-    rope = RopeSpec.from_hf_config(mc.hf_config, pairing=Pairing.from_neox_style(neox))
+    rope = RopeSpec.from_hf_config(mc.hf_config, pairing=Pairing.from_neox_style(neox))  # MLA: k_pe's
+    layout = kv_layout(num_layers, kv_heads, head, dtype, rope_dim)
     served = mc.served_model_name
     if isinstance(served, (list, tuple)):
         served = served[0]
@@ -266,9 +289,10 @@ def engine_shape(vllm_config: Any, settings: Settings) -> EngineShape:
         rope_fingerprint=rope.fingerprint,
         block_size=block,
         namespace=settings.namespace,
-        shard=shard_name(0, tp, 0, pp),
+        shard=shard_name(0, 1 if mla else tp, 0, pp),
     )
-    return EngineShape(num_layers, kv_heads, head, block, dtype, layout, rope, identity, tp_size=tp, pp_size=pp)
+    return EngineShape(num_layers, kv_heads, head, block, dtype, layout, rope, identity, tp_size=tp, pp_size=pp,
+                       mla=mla, rope_dim=rope_dim)
 
 
 def describe(shape: EngineShape) -> str:
@@ -276,7 +300,7 @@ def describe(shape: EngineShape) -> str:
     return json.dumps({"model_id": i.model_id, "weights": i.weights_hash, "tokenizer": i.tokenizer_hash,
                        "layers": shape.num_layers, "kv_heads": shape.num_kv_heads, "head": shape.head_size,
                        "block": shape.block_size, "dtype": shape.dtype, "pairing": shape.rope.pairing.value,
-                       "tp": shape.tp_size, "pp": shape.pp_size, "identity": i.fingerprint})
+                       "tp": shape.tp_size, "pp": shape.pp_size, "mla": shape.mla, "identity": i.fingerprint})
 
 
 def env_flag(name: str, default: bool = False) -> bool:

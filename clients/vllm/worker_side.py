@@ -34,11 +34,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from sidecar.sdk.kit import stacked_payload, stacked_view
-
-from clients.vllm.layouts import PagedSpec, StandardKV, UnsupportedLayout
+from clients.vllm.layouts import LatentKV, PagedSpec, StandardKV, UnsupportedLayout
 from clients.vllm.jobs import LoadJob, StoreJob
 from clients.vllm.paged import BlockLayout, PagedKV, single_threaded
+from clients.vllm.rows import GqaRows, LatentRows
 
 if TYPE_CHECKING:
     from sidecar.sdk.kit import FailSoftLink
@@ -59,7 +58,9 @@ class WorkerSide:
         self.block_size = shape.block_size
         self.link = link
         self.counters: Counter[str] = Counter() if counters is None else counters
-        self.paged: PagedKV | StandardKV | None = None
+        self.paged: PagedKV | StandardKV | LatentKV | None = None
+        #: what the cache's rows are (``rows.py``): [L, 2, n, H, D], or MLA latent rows [L, n, C]
+        self.rows = LatentRows if shape.mla else GqaRows
         self.disabled: str = ""
         self._invalid: set[int] = set()
         self._store_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sidecar-store")
@@ -86,6 +87,17 @@ class WorkerSide:
             return
         t = layers[0]
         H, B, D = self.shape.num_kv_heads, self.block_size, self.shape.head_size
+        if self.shape.mla:  # vLLM's standard [blocks, 1, N, c_kv | k_pe] views, on any device
+            try:
+                spec = PagedSpec(mla=True, num_heads=1, block_size=B, head_size=D, head_size_v=0, dtype=t.dtype,
+                                 rope_dim=self.shape.rope_dim)
+                self.paged = LatentKV(layers, spec)
+            except UnsupportedLayout as exc:
+                self._disable(f"MLA KV cache on {t.device}: {exc}")
+                return
+            log.info("sidecar connector (worker): %d MLA layers on %s, latent rows of %d (rope %d)",
+                     len(layers), t.device, D, self.shape.rope_dim)
+            return
         if t.device.type != "cpu":
             # vLLM's standard layout: each layer a logical [blocks, H, N, K | V] view whose
             # strides carry the group's KVCacheLayout (clients/vllm/layouts.py)
@@ -180,7 +192,7 @@ class WorkerSide:
             if f is None or not f.ok or f.num_tokens < it.row + n or not (f.rotated or f.delta == 0 or engine_rotates):
                 self._fail_blocks(job, it.start, it.end)
                 continue
-            rows = stacked_view(f.data, sh.layout, f.num_tokens)[:, :, it.row : it.row + n]
+            rows = self.rows.of(f.data, sh.layout, f.num_tokens).narrow(self.rows.token_axis, it.row, n)
             delta = (n, 0 if f.rotated else f.delta)
             if runs and runs[-1][1] == it.start:
                 runs[-1] = (runs[-1][0], it.end, runs[-1][2] + [rows], runs[-1][3] + [delta])
@@ -191,7 +203,7 @@ class WorkerSide:
         block_ids = torch.tensor(job.block_ids, dtype=torch.int64)
         with single_threaded():
             for start, end, parts, deltas in runs:
-                rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+                rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.rows.token_axis)
                 if any(d for _, d in deltas):
                     rows = self._rotate(rows, deltas)
                 self.paged.scatter(rows, block_ids, torch.arange(start, end, dtype=torch.int64))
@@ -209,16 +221,13 @@ class WorkerSide:
         return mode == "engine"
 
     def _rotate(self, rows: torch.Tensor, deltas: list[tuple[int, int]]) -> torch.Tensor:
-        """``[L, 2, n, H, D]`` rows with their keys re-positioned by each item's delta (``(tokens,
+        """Rows (``self.rows``) with their keys re-positioned by each item's delta (``(tokens,
         delta)`` per item, in order), on the cache's device: one kernel call for the run (a
         per-token delta tensor), fp32 math as the sidecar's rotation."""
-        from sidecar.rotation import rotate_keys
-
         device = getattr(self.paged, "device", rows.device)
         rows = rows.to(device)
         per_token = torch.cat([torch.full((n,), d, dtype=torch.int64) for n, d in deltas]).to(device)
-        keys = rows[:, 0]  # [L, n, H, D]
-        rows[:, 0] = rotate_keys(keys, per_token.view(1, -1, 1), self.shape.rope)
+        rows = self.rows.rotate(rows, per_token, self.shape.rope)
         self.counters["engine_rotated_tokens"] += int(sum(n for n, d in deltas if d))
         return rows
 
@@ -234,7 +243,7 @@ class WorkerSide:
     def save(self, jobs: list[StoreJob]) -> None:
         """After the forward: gather every job's chunks and Store them (sync or in the
         background, per ``settings.store``)."""
-        if not jobs or self.paged is None or self.disabled:
+        if not jobs or self.paged is None or self.disabled or not self.shape.stores:
             return
         if not self.link.available:
             self.counters["stores_skipped"] += len(jobs)
@@ -247,7 +256,7 @@ class WorkerSide:
                 rows = self.paged.gather(torch.tensor(job.block_ids, dtype=torch.int64), torch.from_numpy(pos))
                 i = 0
                 for a, b in job.chunks:
-                    payloads[a] = stacked_payload(rows[:, :, i : i + (b - a)])
+                    payloads[a] = self.rows.payload(rows.narrow(self.rows.token_axis, i, b - a), self.shape.layout)
                     i += b - a
             self.counters["gather_us"] += int((time.perf_counter() - t0) * 1e6)
             if self.settings.store == "sync":

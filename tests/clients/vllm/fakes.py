@@ -86,6 +86,16 @@ def kv_rows(tokens: np.ndarray, positions: np.ndarray, num_layers: int, heads: i
     return (((t * 7 + p * 3 + li * 5 + kv * 11 + h * 13 + d) % 251) - 125).to(dtype)
 
 
+def latent_rows(tokens: np.ndarray, positions: np.ndarray, num_layers: int, width: int,
+                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The MLA latent rows the fake model computes: ``[L, n, C]`` small integers (exact in bf16)."""
+    t = torch.as_tensor(tokens[positions].astype(np.int64)).view(1, -1, 1)
+    p = torch.as_tensor(positions.astype(np.int64)).view(1, -1, 1)
+    li = torch.arange(num_layers).view(-1, 1, 1)
+    c = torch.arange(width).view(1, 1, -1)
+    return (((t * 5 + p * 3 + li * 7 + c * 11) % 241) - 120).to(dtype)
+
+
 class FakeScheduler:
     """See the module docstring. ``take(rid, offered)`` is how many of the offered external
     tokens vLLM takes (default: all); ``before_forward(jobs)`` runs between scheduling and the
@@ -209,6 +219,13 @@ class FakeScheduler:
         shape = self.worker.shape
         h = shape.num_kv_heads
         stages = self.stage_layers()
+        if shape.mla:  # every tensor-parallel rank holds the same latent rows of its stage's layers
+            rows = latent_rows(tokens, pos, sum(stages.values()), shape.head_size, self.worker.paged.dtype)
+            for w in self.workers:
+                lo = sum(n for stage, n in stages.items() if stage < w.shape.pp_rank)
+                w.paged.scatter(rows[lo:lo + w.shape.num_layers], torch.tensor(s.block_ids, dtype=torch.int64),
+                                torch.from_numpy(pos.astype(np.int64)))
+            return
         rows = kv_rows(tokens, pos, sum(stages.values()), h * shape.tp_size, shape.head_size, self.worker.paged.dtype)
         for w in self.workers:
             ws = w.shape
