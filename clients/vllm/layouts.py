@@ -253,12 +253,13 @@ class StandardKV:
     def _slots(self, block_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return slots(block_ids.to(self.device), positions.to(self.device), self.spec.block_size)
 
-    def gather(self, block_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """KV rows of ``positions`` (int64 [n]) as ``[L, 2, n, H, D]`` on the CPU (a new tensor)."""
+    def gather(self, block_ids: torch.Tensor, positions: torch.Tensor, host: bool = True) -> torch.Tensor:
+        """KV rows of ``positions`` (int64 [n]) as ``[L, 2, n, H, D]``, a new tensor on the CPU
+        (``host``) or the cache's device."""
         blk, off = self._slots(block_ids, positions)
         D = self.spec.head_size
         rows = torch.stack([torch.stack((t[blk, :, off, :D], t[blk, :, off, D:])) for t in self.layers])
-        return rows.cpu()
+        return rows.cpu() if host else rows
 
     def scatter(self, rows: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Write ``[L, 2, n, H, D]`` rows (any device) at ``positions`` (int64 [n])."""
@@ -293,10 +294,12 @@ class LatentKV:
     def _slots(self, block_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return slots(block_ids.to(self.device), positions.to(self.device), self.spec.block_size)
 
-    def gather(self, block_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Latent rows of ``positions`` (int64 [n]) as ``[L, n, C]`` on the CPU (a new tensor)."""
+    def gather(self, block_ids: torch.Tensor, positions: torch.Tensor, host: bool = True) -> torch.Tensor:
+        """Latent rows of ``positions`` (int64 [n]) as ``[L, n, C]``, a new tensor on the CPU
+        (``host``) or the cache's device."""
         blk, off = self._slots(block_ids, positions)
-        return torch.stack([t[blk, 0, off] for t in self.layers]).cpu()
+        rows = torch.stack([t[blk, 0, off] for t in self.layers])
+        return rows.cpu() if host else rows
 
     def scatter(self, rows: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Write ``[L, n, C]`` latent rows (any device) at ``positions`` (int64 [n])."""

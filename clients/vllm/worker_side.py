@@ -1,25 +1,32 @@
 """The connector's worker side: Fetch into the paged KV cache before the forward, Store after it.
 
 Runs in each vLLM worker (the model's process), called by the connector facade
-(``connector.py``). Under tensor parallelism each rank loads and saves its own KV heads as its
-own shard (``CacheIdentity.shard``), fetching the chunks the scheduler side planned under rank
-0's identity with ``plan_identity`` (the sidecar serves the same tokens' chunk of this shard);
-a rank whose load failed reports its blocks, and vLLM recomputes them on every rank::
+(``connector.py``). Under tensor or pipeline parallelism each worker loads and saves its own
+heads and layers as its own shard (``CacheIdentity.shard``), fetching the chunks the scheduler
+side planned under rank 0 of stage 0 with ``plan_identity`` (the sidecar serves the same tokens'
+chunk of this shard); a worker whose load failed reports its blocks, and vLLM recomputes them on
+every worker::
 
     start-up      register_kv_caches(layers)  CPU backend: learn its block layout (paged.py);
                                               other devices: vLLM's standard [B, H, N, K | V]
-                                              views (layouts.py); else disable, saying why
+                                              views, or MLA's [B, 1, N, c_kv | k_pe]
+                                              (layouts.py); else disable, saying why
     each step     load(jobs.loads)            before the forward: Fetch each LoadJob's items
-                                              (rotated by the sidecar to their target positions
-                                              with the engine's RopeSpec) and scatter their rows
-                                              into the request's blocks
+                                              (rotated to their target positions by the sidecar,
+                                              or raw and rotated here on the cache's device:
+                                              ``rotate``) and scatter their rows into the
+                                              request's blocks; on a GPU through pinned memory
+                                              and a side stream vLLM's stream waits for
+                                              (staging.py)
                   save(jobs.stores)           after the forward: gather the StoreJobs' rows from
                                               the paged cache and Store them (background thread
-                                              by default: ``store = "async"``)
+                                              by default: ``store = "async"``; on a GPU the
+                                              device-to-host copy is asynchronous too)
                   take_load_errors()          blocks whose Fetch failed: vLLM recomputes them
 
-A chunk that cannot be fetched marks its blocks failed, never the request. Imports no vLLM at
-module level (the cache-write kernel and the rotary registry are imported when first used).
+Rows are ``[L, 2, n, H, D]`` (GQA / MHA) or MLA latent rows ``[L, n, C]`` (``rows.py``). A chunk
+that cannot be fetched marks its blocks failed, never the request. Imports no vLLM at module
+level (the cache-write kernel and the rotary registry are imported when first used).
 """
 
 from __future__ import annotations
@@ -38,8 +45,11 @@ from clients.vllm.layouts import LatentKV, PagedSpec, StandardKV, UnsupportedLay
 from clients.vllm.jobs import LoadJob, StoreJob
 from clients.vllm.paged import BlockLayout, PagedKV, single_threaded
 from clients.vllm.rows import GqaRows, LatentRows
+from clients.vllm.staging import Staging
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from sidecar.sdk.kit import FailSoftLink
 
     from clients.vllm.settings import EngineShape, Settings
@@ -59,6 +69,7 @@ class WorkerSide:
         self.link = link
         self.counters: Counter[str] = Counter() if counters is None else counters
         self.paged: PagedKV | StandardKV | LatentKV | None = None
+        self.staging = Staging(torch.device("cpu"))  # the cache's device once registered
         #: what the cache's rows are (``rows.py``): [L, 2, n, H, D], or MLA latent rows [L, n, C]
         self.rows = LatentRows if shape.mla else GqaRows
         self.disabled: str = ""
@@ -92,6 +103,7 @@ class WorkerSide:
                 spec = PagedSpec(mla=True, num_heads=1, block_size=B, head_size=D, head_size_v=0, dtype=t.dtype,
                                  rope_dim=self.shape.rope_dim)
                 self.paged = LatentKV(layers, spec)
+                self.staging = Staging(t.device)
             except UnsupportedLayout as exc:
                 self._disable(f"MLA KV cache on {t.device}: {exc}")
                 return
@@ -104,6 +116,7 @@ class WorkerSide:
             try:
                 spec = PagedSpec(mla=False, num_heads=H, block_size=B, head_size=D, head_size_v=D, dtype=t.dtype)
                 self.paged = StandardKV(layers, spec)
+                self.staging = Staging(t.device)
             except UnsupportedLayout as exc:
                 self._disable(f"KV cache on {t.device}: {exc}")
                 return
@@ -164,6 +177,7 @@ class WorkerSide:
             self._check_rope()
         for job in jobs:
             self._load(job)
+        self.staging.publish()  # vLLM's stream waits for the copies; the CPU does not
 
     def _fail_blocks(self, job: LoadJob, start: int, end: int) -> None:
         B = self.block_size
@@ -201,12 +215,16 @@ class WorkerSide:
             self.counters["loaded_tokens"] += n
             self.counters["fetch_bytes"] += len(f.data)
         block_ids = torch.tensor(job.block_ids, dtype=torch.int64)
+        staging = self.staging
         with single_threaded():
-            for start, end, parts, deltas in runs:
-                rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.rows.token_axis)
-                if any(d for _, d in deltas):
-                    rows = self._rotate(rows, deltas)
-                self.paged.scatter(rows, block_ids, torch.arange(start, end, dtype=torch.int64))
+            host = [parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.rows.token_axis)
+                    for _, _, parts, _ in runs]
+            moved = staging.to_device(host)  # CUDA: one pinned, asynchronous copy for the job
+            with staging.context():
+                for (start, end, _, deltas), rows in zip(runs, moved):
+                    if any(d for _, d in deltas):
+                        rows = self._rotate(rows, deltas)
+                    self.paged.scatter(rows, block_ids, torch.arange(start, end, dtype=torch.int64))
         self.counters["fetch_us"] += int((t1 - t0) * 1e6)
         self.counters["scatter_us"] += int((time.perf_counter() - t1) * 1e6)
         self.counters["loads"] += 1
@@ -248,25 +266,40 @@ class WorkerSide:
         if not self.link.available:
             self.counters["stores_skipped"] += len(jobs)
             return
+        staging = self.staging
         for job in jobs:
             t0 = time.perf_counter()
-            pos = np.concatenate([np.arange(a, b) for a, b in job.chunks])
-            payloads: dict[int, memoryview] = {}
+            block_ids = torch.tensor(job.block_ids, dtype=torch.int64)
+            positions = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in job.chunks]))
             with single_threaded():
-                rows = self.paged.gather(torch.tensor(job.block_ids, dtype=torch.int64), torch.from_numpy(pos))
-                i = 0
-                for a, b in job.chunks:
-                    payloads[a] = self.rows.payload(rows.narrow(self.rows.token_axis, i, b - a), self.shape.layout)
-                    i += b - a
+                if staging.cuda:  # device-to-host into pinned memory on the side stream; the Store waits
+                    rows, wait = staging.gather_async(lambda: self.paged.gather(block_ids, positions, host=False))
+                    payloads = None
+                else:
+                    rows, wait = self.paged.gather(block_ids, positions), None
+                    payloads = self._payloads(job, rows)
             self.counters["gather_us"] += int((time.perf_counter() - t0) * 1e6)
             if self.settings.store == "sync":
-                self._store(job, payloads)
+                self._store(job, payloads, rows, wait)
             else:
                 with self._lock:
                     self._store_futures = [f for f in self._store_futures if not f.done()]
-                    self._store_futures.append(self._store_pool.submit(self._store, job, payloads))
+                    self._store_futures.append(self._store_pool.submit(self._store, job, payloads, rows, wait))
 
-    def _store(self, job: StoreJob, payloads: dict[int, memoryview]) -> None:
+    def _payloads(self, job: StoreJob, rows: torch.Tensor) -> dict[int, memoryview]:
+        """Each chunk's payload from the job's gathered rows (host memory)."""
+        payloads: dict[int, memoryview] = {}
+        i = 0
+        for a, b in job.chunks:
+            payloads[a] = self.rows.payload(rows.narrow(self.rows.token_axis, i, b - a), self.shape.layout)
+            i += b - a
+        return payloads
+
+    def _store(self, job: StoreJob, payloads: dict[int, memoryview] | None, rows: torch.Tensor,
+               wait: "Callable[[], None] | None") -> None:
+        if payloads is None:  # rows still arriving from the device: wait for that copy alone
+            wait()
+            payloads = self._payloads(job, rows)
         sh = self.shape
         t0 = time.perf_counter()
         res = self.link.call("store", job.tenant, lambda c: c.store(
