@@ -149,6 +149,54 @@ def check_layouts(tokens: int) -> tuple[list[dict], bool]:
     return rows, ok
 
 
+def check_worker_copies(tokens: int, device: str = "cuda") -> tuple[list[dict], bool]:
+    """The vLLM worker's device path (``clients.vllm.staging``): a step's rows through the pinned
+    buffer and the side stream into ``StandardKV`` / ``LatentKV`` caches on CUDA, and back with
+    ``gather_async``, against the same caches on the CPU; timed against the synchronous path
+    (``device="cpu"``: the same checks through the CPU path, untimed, for the main test suite)."""
+    from bench.vllm_layouts import LAYOUTS, build
+    from clients.vllm.layouts import LatentKV, PagedSpec, StandardKV
+    from clients.vllm.staging import Staging
+
+    layers, blocks, block_size = 8, 1024, 16
+    gen = torch.Generator().manual_seed(1)
+    table = torch.randperm(blocks, generator=gen)[: math.ceil(tokens / block_size)]
+    positions = torch.arange(3, tokens)
+    cases = {
+        "gqa": (PagedSpec(mla=False, num_heads=8, block_size=block_size, head_size=128, head_size_v=128,
+                          dtype=torch.bfloat16), StandardKV, (layers, 2, len(positions), 8, 128)),
+        "mla": (PagedSpec(mla=True, num_heads=1, block_size=block_size, head_size=576, head_size_v=0,
+                          dtype=torch.bfloat16, rope_dim=64), LatentKV, (layers, len(positions), 576)),
+    }
+    out, ok = [], True
+    for kind, (spec, cls, shape) in cases.items():
+        rows = torch.randn(shape, generator=gen).to(torch.bfloat16)
+        order = LAYOUTS["LBHNC"]
+        ref = cls(build(spec, order, "cpu", layers, blocks), spec)
+        ref.scatter(rows, table, positions)
+        dev = cls(build(spec, order, device, layers, blocks), spec)
+        staging = Staging(torch.device(device))
+
+        def staged() -> None:
+            (moved,) = staging.to_device([rows])
+            with staging.context():
+                dev.scatter(moved, table, positions)
+            staging.publish()
+
+        staged()
+        host, wait = staging.gather_async(lambda: dev.gather(table, positions, host=False))
+        wait()
+        passed = torch.equal(host, ref.gather(table, positions)) and torch.equal(host, rows)
+        ok &= passed
+        out.append({"kind": kind, "tokens": len(positions), "correct": passed})
+        if device == "cuda":
+            out[-1]["staged_ms"] = round(_timed(staged, reps=10) * 1e3, 3)
+            out[-1]["synchronous_ms"] = round(_timed(lambda: dev.scatter(rows, table, positions), reps=10) * 1e3, 3)
+            print(f"worker copies {kind}: {'ok' if passed else 'WRONG'}, staged {out[-1]['staged_ms']} ms, "
+                  f"synchronous {out[-1]['synchronous_ms']} ms", flush=True)
+    return out, ok
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=32768, help="tokens per rotation tensor and per load run")
@@ -164,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         triton_version = None
     rotation, rot_ok = check_rotation(args.tokens)
     layouts, lay_ok = check_layouts(args.tokens)
+    worker, worker_ok = check_worker_copies(min(args.tokens, 8192))
     worst_rot = min(r["rotate_over_copy"] for r in rotation)
     worst_load = min(r["load_over_pinned_h2d"] for r in layouts)
     doc = {
@@ -175,10 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         "goals": {"rotation_over_device_copy": ROTATION_GOAL, "load_over_pinned_h2d": LOAD_GOAL},
         "worst": {"rotation_over_device_copy": worst_rot, "load_over_pinned_h2d": worst_load},
         "goals_met": {"rotation": worst_rot >= ROTATION_GOAL, "load": worst_load >= LOAD_GOAL},
-        "correct": rot_ok and lay_ok,
+        "correct": rot_ok and lay_ok and worker_ok,
         "seconds": round(time.time() - t0, 1),
         "rotation": rotation,
         "layouts": layouts,
+        "worker_copies": worker,
     }
     (RESULTS / "gpu.json").write_text(json.dumps(doc, indent=1) + "\n")
     print(f"rotation worst {worst_rot}x device copy (goal {ROTATION_GOAL}); load worst {worst_load}x pinned H2D "
