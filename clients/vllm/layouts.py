@@ -228,17 +228,15 @@ def _layers(pv: Any, num_layers: int, num_parts: int) -> list[list[torch.Tensor]
     return [parts[i * num_parts:(i + 1) * num_parts] for i in range(num_layers)]
 
 
-class StandardKV:
-    """The connector's view of a GQA / MHA cache in vLLM's standard layout, on any device: the
-    interface of ``paged.PagedKV`` (``gather`` / ``scatter`` of ``[L, 2, n, H, D]`` rows at a
-    request's token positions), for the backends whose per-layer tensor is the logical
-    ``[B, H, N, K | V]`` view (flash-attn, FlashInfer, Triton on GPUs). Rows travel between the
-    host payloads and the cache's device in one copy per call; the cells are addressed with
-    index tensors (one indexed copy per layer and part, no per-token Python)."""
+class _ViewCache:
+    """A cache of vLLM's standard ``[B, H, N, C]`` layer views, addressed by (block, offset)
+    index tensors on its device (one indexed copy per layer and part, no per-token Python).
+    Subclasses say which cells they serve (``accepts``) and what a row is."""
 
     def __init__(self, layers: list[torch.Tensor], spec: PagedSpec) -> None:
-        if spec.mla or spec.head_size != spec.head_size_v:
-            raise UnsupportedLayout("StandardKV serves GQA / MHA caches whose K and V have one width")
+        why = self.refuses(spec)
+        if why:
+            raise UnsupportedLayout(why)
         for t in layers:
             spec.check_view(t)
         self.layers = layers
@@ -246,12 +244,30 @@ class StandardKV:
         self.device = layers[0].device
         self.dtype = spec.dtype
 
+    @staticmethod
+    def refuses(spec: PagedSpec) -> str:
+        """Why this class cannot serve ``spec`` ("" when it can)."""
+        raise NotImplementedError
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
     def _slots(self, block_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return slots(block_ids.to(self.device), positions.to(self.device), self.spec.block_size)
+
+
+class StandardKV(_ViewCache):
+    """The connector's view of a GQA / MHA cache in vLLM's standard layout, on any device: the
+    interface of ``paged.PagedKV`` (``gather`` / ``scatter`` of ``[L, 2, n, H, D]`` rows at a
+    request's token positions), for the backends whose per-layer tensor is the logical
+    ``[B, H, N, K | V]`` view (flash-attn, FlashInfer, Triton on GPUs)."""
+
+    @staticmethod
+    def refuses(spec: PagedSpec) -> str:
+        if spec.mla or spec.head_size != spec.head_size_v:
+            return "StandardKV serves GQA / MHA caches whose K and V have one width"
+        return ""
 
     def gather(self, block_ids: torch.Tensor, positions: torch.Tensor, host: bool = True) -> torch.Tensor:
         """KV rows of ``positions`` (int64 [n]) as ``[L, 2, n, H, D]``, a new tensor on the CPU
@@ -271,28 +287,14 @@ class StandardKV:
             t[..., D:][blk, :, off] = rows[li, 1]
 
 
-class LatentKV:
+class LatentKV(_ViewCache):
     """An MLA cache in vLLM's standard layout (per layer the logical ``[B, 1, N, C]`` view, ``C =
     kv_lora_rank + rope_dim``, rope part last), as the worker moves it: ``gather`` / ``scatter`` of
-    latent rows ``[L, n, C]`` at a request's token positions (``rows.LatentRows``), one indexed copy
-    per layer, on any device."""
+    latent rows ``[L, n, C]`` at a request's token positions (``rows.LatentRows``), on any device."""
 
-    def __init__(self, layers: list[torch.Tensor], spec: PagedSpec) -> None:
-        if not spec.mla:
-            raise UnsupportedLayout("LatentKV serves MLA caches (one latent row per token)")
-        for t in layers:
-            spec.check_view(t)
-        self.layers = layers
-        self.spec = spec
-        self.device = layers[0].device
-        self.dtype = spec.dtype
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def _slots(self, block_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return slots(block_ids.to(self.device), positions.to(self.device), self.spec.block_size)
+    @staticmethod
+    def refuses(spec: PagedSpec) -> str:
+        return "" if spec.mla else "LatentKV serves MLA caches (one latent row per token)"
 
     def gather(self, block_ids: torch.Tensor, positions: torch.Tensor, host: bool = True) -> torch.Tensor:
         """Latent rows of ``positions`` (int64 [n]) as ``[L, n, C]``, a new tensor on the CPU

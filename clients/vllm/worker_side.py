@@ -98,30 +98,21 @@ class WorkerSide:
             return
         t = layers[0]
         H, B, D = self.shape.num_kv_heads, self.block_size, self.shape.head_size
-        if self.shape.mla:  # vLLM's standard [blocks, 1, N, c_kv | k_pe] views, on any device
+        if self.shape.mla or t.device.type != "cpu":
+            # vLLM's standard layout: each layer a logical [blocks, H, N, K | V] view (MLA:
+            # [blocks, 1, N, c_kv | k_pe], on any device) whose strides carry the group's
+            # KVCacheLayout (clients/vllm/layouts.py)
+            mla = self.shape.mla
             try:
-                spec = PagedSpec(mla=True, num_heads=1, block_size=B, head_size=D, head_size_v=0, dtype=t.dtype,
-                                 rope_dim=self.shape.rope_dim)
-                self.paged = LatentKV(layers, spec)
-                self.staging = Staging(t.device)
+                spec = PagedSpec(mla=mla, num_heads=H, block_size=B, head_size=D, head_size_v=0 if mla else D,
+                                 dtype=t.dtype, rope_dim=self.shape.rope_dim)
+                self.paged = (LatentKV if mla else StandardKV)(layers, spec)
             except UnsupportedLayout as exc:
-                self._disable(f"MLA KV cache on {t.device}: {exc}")
+                self._disable(f"{'MLA ' if mla else ''}KV cache on {t.device}: {exc}")
                 return
-            log.info("sidecar connector (worker): %d MLA layers on %s, latent rows of %d (rope %d)",
-                     len(layers), t.device, D, self.shape.rope_dim)
-            return
-        if t.device.type != "cpu":
-            # vLLM's standard layout: each layer a logical [blocks, H, N, K | V] view whose
-            # strides carry the group's KVCacheLayout (clients/vllm/layouts.py)
-            try:
-                spec = PagedSpec(mla=False, num_heads=H, block_size=B, head_size=D, head_size_v=D, dtype=t.dtype)
-                self.paged = StandardKV(layers, spec)
-                self.staging = Staging(t.device)
-            except UnsupportedLayout as exc:
-                self._disable(f"KV cache on {t.device}: {exc}")
-                return
-            log.info("sidecar connector (worker): %d layers on %s, vLLM's standard layout (strides %s)",
-                     len(layers), t.device, tuple(t.stride()))
+            self.staging = Staging(t.device)
+            log.info("sidecar connector (worker): %d %slayers on %s, vLLM's standard layout (strides %s)",
+                     len(layers), "MLA " if mla else "", t.device, tuple(t.stride()))
             return
         if t.dim() != 4 or tuple(t.shape[1:]) != (H, B, 2 * D):
             self._disable(f"KV cache layout {tuple(t.shape)} on {t.device} is not the CPU backend's "

@@ -71,9 +71,15 @@ def engine(sidecar_target: str, shape: EngineShape):
         return side, worker
 
     yield make
-    for side, worker in made:
-        worker.shutdown()
-        worker.link.close()
+    shut_down([(side, [worker]) for side, worker in made])
+
+
+def shut_down(engines: list[tuple[SchedulerSide, list[WorkerSide]]]) -> None:
+    """Stop what fixtures made: each engine's workers (their background Stores), then its links."""
+    for side, workers in engines:
+        for w in workers:
+            w.shutdown()
+            w.link.close()
         side.link.close()
 
 

@@ -19,7 +19,8 @@ import torch
 
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.rotation import Pairing, RopeSpec, RotaryLayout
-from tests.clients.vllm.conftest import BLOCK, Prompts
+from bench.vllm_layouts import LAYOUTS, build
+from tests.clients.vllm.conftest import BLOCK, Prompts, shut_down
 from tests.clients.vllm.fakes import FakeScheduler, Request, latent_rows
 
 from clients.vllm.layouts import LatentKV, PagedSpec
@@ -30,7 +31,6 @@ from clients.vllm.worker_side import WorkerSide
 LAYERS, RANK, ROPE_DIM = 2, 16, 8
 WIDTH = RANK + ROPE_DIM
 BLOCKS = 512
-ORDERS = {"LBHNC": (0, 1, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
 
 
 def mla_shape(tp: int = 1) -> EngineShape:
@@ -44,18 +44,13 @@ def mla_shape(tp: int = 1) -> EngineShape:
                        rope_dim=ROPE_DIM)
 
 
-def latent_cache(order: tuple[int, ...]) -> LatentKV:
-    shape = (LAYERS, BLOCKS, 1, BLOCK, WIDTH)
-    st, step = [0] * 5, 1
-    for dim in reversed(order):
-        st[dim], step = step, step * shape[dim]
-    raw = torch.zeros(step, dtype=torch.bfloat16)
-    views = [torch.as_strided(raw, shape[1:], st[1:], storage_offset=layer * st[0]) for layer in range(LAYERS)]
-    return LatentKV(views, PagedSpec(mla=True, num_heads=1, block_size=BLOCK, head_size=WIDTH, head_size_v=0,
-                                     dtype=torch.bfloat16, rope_dim=ROPE_DIM))
+def latent_cache(layout: str) -> LatentKV:
+    spec = PagedSpec(mla=True, num_heads=1, block_size=BLOCK, head_size=WIDTH, head_size_v=0, dtype=torch.bfloat16,
+                     rope_dim=ROPE_DIM)
+    return LatentKV(build(spec, LAYOUTS[layout], "cpu", LAYERS, BLOCKS), spec)
 
 
-@pytest.fixture(params=sorted(ORDERS))
+@pytest.fixture(params=["LBHNC", "BLNHC", "BHLNC"])
 def mla_engine(request, sidecar_target: str):
     """``mla_engine(tp=1, **extra)`` -> (scheduler side, workers): one MLA worker per TP rank."""
     made: list[tuple[SchedulerSide, list[WorkerSide]]] = []
@@ -68,17 +63,13 @@ def mla_engine(request, sidecar_target: str):
         workers = []
         for rank in range(tp):
             w = WorkerSide(settings, shape.for_rank(rank), sidecar_link(settings, "worker"))
-            w.paged = latent_cache(ORDERS[request.param])
+            w.paged = latent_cache(request.param)
             workers.append(w)
         made.append((side, workers))
         return side, workers
 
     yield make
-    for side, workers in made:
-        for w in workers:
-            w.shutdown()
-            w.link.close()
-        side.link.close()
+    shut_down(made)
 
 
 def rows_of(worker: WorkerSide, block_ids: list[int], n: int) -> torch.Tensor:

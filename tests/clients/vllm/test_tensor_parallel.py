@@ -23,7 +23,8 @@ from clients.vllm.paged import BlockLayout, PagedKV
 from clients.vllm.scheduler_side import SchedulerSide
 from clients.vllm.settings import EngineShape, Settings, shard_name, sidecar_link
 from clients.vllm.worker_side import WorkerSide
-from tests.clients.vllm.conftest import BLOCK, HEAD, HEADS, LAYERS
+from bench.vllm_layouts import LAYOUTS, build
+from tests.clients.vllm.conftest import BLOCK, HEAD, HEADS, LAYERS, shut_down
 from tests.clients.vllm.fakes import FakeScheduler, Request, kv_rows
 
 BLOCKS = 512
@@ -37,16 +38,9 @@ def cache(kind: str, num_layers: int) -> PagedKV | StandardKV:
     if kind == "cpu":
         return PagedKV([torch.zeros((BLOCKS, HEADS, BLOCK, 2 * HEAD), dtype=torch.bfloat16) for _ in range(num_layers)],
                        BlockLayout.vec(HEADS, BLOCK, HEAD))
-    order = {"LBHNC": (0, 1, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}[kind]
-    shape = (num_layers, BLOCKS, HEADS, BLOCK, 2 * HEAD)
-    st, step = [0] * 5, 1
-    for dim in reversed(order):
-        st[dim], step = step, step * shape[dim]
-    raw = torch.zeros(step, dtype=torch.bfloat16)
-    views = [torch.as_strided(raw, shape[1:], st[1:], storage_offset=layer * st[0]) for layer in range(num_layers)]
     spec = PagedSpec(mla=False, num_heads=HEADS, block_size=BLOCK, head_size=HEAD, head_size_v=HEAD,
                      dtype=torch.bfloat16)
-    return StandardKV(views, spec)
+    return StandardKV(build(spec, LAYOUTS[kind], "cpu", num_layers, BLOCKS), spec)
 
 
 @pytest.fixture(params=["cpu", "LBHNC", "BLNHC", "BHLNC"])
@@ -82,11 +76,7 @@ def parallel_engine(request, layout_kind: str, sidecar_target: str, shape: Engin
         return side, workers
 
     yield make
-    for side, workers in made:
-        for w in workers:
-            w.shutdown()
-            w.link.close()
-        side.link.close()
+    shut_down(made)
 
 
 def rows_of(worker: WorkerSide, block_ids: list[int], n: int) -> torch.Tensor:
