@@ -111,6 +111,14 @@ class SharedRegistry:
         self._writer = self._client()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shared-registry-read")
         self._try_connect()
+        if self.stats.up:
+            # Whether any sidecar has shared chunks, known before the first Lookup (else the
+            # first Lookups search the shared scope too, until the flusher's first probe).
+            try:
+                self.shared_nonempty = bool(int(self._writer.get(self.keys.count_key(SHARED_SCOPE)) or 0))
+                self._probed_at = time.monotonic()
+            except Exception:  # noqa: BLE001 - the flusher probes again
+                pass
         self._thread = threading.Thread(target=self._run, name="shared-registry-flush", daemon=True)
         self._thread.start()
         return self.stats.up
