@@ -3,9 +3,9 @@
 * ``gpu``: ``gpu.GpuTier``, a device tensor carved by LMCache's ``TensorMemoryAllocator``;
 * ``cpu``: ``cpu.CpuTier``, host DRAM in LMCache's ``L1Manager``;
 * ``disk``: ``disk.DiskTier``, LMCache's ``fs_native`` L2 adapter plus the tier's own index;
-* ``remote``: ``remote.RemoteTier``, Redis/Valkey through LMCache's ``resp`` L2 adapter.
+* ``remote``: ``remote.RemoteTier``, Redis/Valkey through redis-py with the hiredis parser.
 
-``l2_driver`` turns an LMCache L2 adapter into blocking batch calls (disk and remote use it).
+``l2_driver`` turns an LMCache L2 adapter into blocking batch calls (the disk tier uses it).
 
 ``BACKENDS`` maps every ``Tier`` to its backend class; ``TierIO`` opens the ones a
 ``StoreConfig`` enables (``from_config``), fastest first. Importing this package imports torch
