@@ -105,21 +105,15 @@ def check_rotation(tokens: int) -> tuple[list[dict], bool]:
 
 
 def check_layouts(tokens: int) -> tuple[list[dict], bool]:
-    from bench.vllm_layouts import LAYOUTS, build
-    from clients.vllm.layouts import PagedSpec, Run, gather, load_
+    from bench.vllm_layouts import LAYOUTS, build, specs
+    from clients.vllm.layouts import Run, gather, load_
 
     layers, blocks, block_size = 32, 4096, 16
-    specs = {
-        "gqa": PagedSpec(mla=False, num_heads=8, block_size=block_size, head_size=128, head_size_v=128,
-                         dtype=torch.bfloat16),
-        "mla": PagedSpec(mla=True, num_heads=1, block_size=block_size, head_size=576, head_size_v=0,
-                         dtype=torch.bfloat16, rope_dim=64),
-    }
     gen = torch.Generator().manual_seed(0)
     table = torch.randperm(blocks, generator=gen)[: math.ceil(tokens / block_size)].cuda()
     run = Run.of(table, 3, tokens - 3, block_size)  # a partial first block, whole blocks, a partial tail
     rows, ok = [], True
-    for kind, spec in specs.items():
+    for kind, spec in specs(block_size).items():
         nbytes = spec.payload_layout(layers).bytes_per_token * run.n
         host = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, generator=gen).pin_memory()
         dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -154,20 +148,17 @@ def check_worker_copies(tokens: int, device: str = "cuda") -> tuple[list[dict], 
     buffer and the side stream into ``StandardKV`` / ``LatentKV`` caches on CUDA, and back with
     ``gather_async``, against the same caches on the CPU; timed against the synchronous path
     (``device="cpu"``: the same checks through the CPU path, untimed, for the main test suite)."""
-    from bench.vllm_layouts import LAYOUTS, build
-    from clients.vllm.layouts import LatentKV, PagedSpec, StandardKV
+    from bench.vllm_layouts import LAYOUTS, build, specs
+    from clients.vllm.layouts import LatentKV, StandardKV
     from clients.vllm.staging import Staging
 
     layers, blocks, block_size = 8, 1024, 16
     gen = torch.Generator().manual_seed(1)
     table = torch.randperm(blocks, generator=gen)[: math.ceil(tokens / block_size)]
     positions = torch.arange(3, tokens)
-    cases = {
-        "gqa": (PagedSpec(mla=False, num_heads=8, block_size=block_size, head_size=128, head_size_v=128,
-                          dtype=torch.bfloat16), StandardKV, (layers, 2, len(positions), 8, 128)),
-        "mla": (PagedSpec(mla=True, num_heads=1, block_size=block_size, head_size=576, head_size_v=0,
-                          dtype=torch.bfloat16, rope_dim=64), LatentKV, (layers, len(positions), 576)),
-    }
+    cells = specs(block_size)
+    cases = {"gqa": (cells["gqa"], StandardKV, (layers, 2, len(positions), 8, 128)),
+             "mla": (cells["mla"], LatentKV, (layers, len(positions), 576))}
     out, ok = [], True
     for kind, (spec, cls, shape) in cases.items():
         rows = torch.randn(shape, generator=gen).to(torch.bfloat16)

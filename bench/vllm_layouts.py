@@ -37,6 +37,17 @@ LAYERS, BLOCKS, BLOCK_SIZE, RUN_TOKENS = 8, 512, 16, 4096
 GOAL = 0.5
 
 
+def specs(block_size: int) -> dict[str, PagedSpec]:
+    """The two cells measured: a GQA cell (8 KV heads x 128, K and V) and an MLA latent row
+    (DeepSeek's 512 + 64), bf16."""
+    return {
+        "gqa": PagedSpec(mla=False, num_heads=8, block_size=block_size, head_size=128, head_size_v=128,
+                         dtype=torch.bfloat16),
+        "mla": PagedSpec(mla=True, num_heads=1, block_size=block_size, head_size=576, head_size_v=0,
+                         dtype=torch.bfloat16, rope_dim=64),
+    }
+
+
 def build(spec: PagedSpec, order: tuple[int, ...], device: str, layers: int = LAYERS,
           blocks: int = BLOCKS) -> list[torch.Tensor]:
     """A zeroed cache as vLLM builds one: one flat buffer, per-layer logical ``[B, H, N, C]``
@@ -69,17 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     device = args.device
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    specs = {
-        "gqa": PagedSpec(mla=False, num_heads=8, block_size=BLOCK_SIZE, head_size=128, head_size_v=128,
-                         dtype=torch.bfloat16),
-        "mla": PagedSpec(mla=True, num_heads=1, block_size=BLOCK_SIZE, head_size=576, head_size_v=0,
-                         dtype=torch.bfloat16, rope_dim=64),
-    }
     gen = torch.Generator().manual_seed(0)
     table = torch.randperm(BLOCKS, generator=gen)[: RUN_TOKENS // BLOCK_SIZE].to(device)
     run = Run.of(table, 0, RUN_TOKENS, BLOCK_SIZE)
     rows = []
-    for kind, spec in specs.items():
+    for kind, spec in specs(BLOCK_SIZE).items():
         nbytes = spec.payload_layout(LAYERS).bytes_per_token * RUN_TOKENS
         payload = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, generator=gen).to(device)
         out = torch.empty_like(payload)

@@ -231,11 +231,9 @@ class WorkerSide:
 
     def _rotate(self, rows: torch.Tensor, deltas: list[tuple[int, int]]) -> torch.Tensor:
         """Rows (``self.rows``) with their keys re-positioned by each item's delta (``(tokens,
-        delta)`` per item, in order), on the cache's device: one kernel call for the run (a
-        per-token delta tensor), fp32 math as the sidecar's rotation."""
-        device = getattr(self.paged, "device", rows.device)
-        rows = rows.to(device)
-        per_token = torch.cat([torch.full((n,), d, dtype=torch.int64) for n, d in deltas]).to(device)
+        delta)`` per item, in order), where the rows are (the cache's device: ``staging``): one
+        kernel call for the run (a per-token delta tensor), fp32 math as the sidecar's rotation."""
+        per_token = torch.cat([torch.full((n,), d, dtype=torch.int64) for n, d in deltas]).to(rows.device)
         rows = self.rows.rotate(rows, per_token, self.shape.rope)
         self.counters["engine_rotated_tokens"] += int(sum(n for n, d in deltas if d))
         return rows

@@ -439,7 +439,6 @@ PingResponse = pb.PingResponse
 RegistryStats = pb.RegistryStats
 StatsRequest = pb.StatsRequest
 StatsResponse = pb.StatsResponse
-StoreCommit = pb.StoreCommit
 StoreHeader = pb.StoreHeader
 StoreRequest = pb.StoreRequest
 StoreResponse = pb.StoreResponse

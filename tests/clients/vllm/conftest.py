@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -54,33 +54,49 @@ def shape() -> EngineShape:
 
 
 @pytest.fixture
-def engine(sidecar_target: str, shape: EngineShape):
-    """``engine(**extra)`` -> a fresh (scheduler side, worker side) pair, as vLLM builds one per
-    role from ``kv_connector_extra_config`` (``extra``: more keys; ``sidecar`` defaults to this
-    module's sidecar). The worker side has a CPU paged cache of 512 blocks in the ``vec`` layout
-    and Stores synchronously unless told otherwise."""
-    made: list[tuple[SchedulerSide, WorkerSide]] = []
+def new_engine(sidecar_target: str):
+    """``new_engine(planned, workers, cache, **extra)`` -> (scheduler side, worker sides), as vLLM
+    builds them per role from ``kv_connector_extra_config`` (``extra``: more keys; ``sidecar``
+    defaults to this module's sidecar, ``tenant`` to "vllm-tests", ``store`` to "sync"): the
+    scheduler side plans under ``planned``, one worker per shape of ``workers``, each with the
+    cache ``cache(shape)``. All are shut down after the test."""
+    made: list[tuple[SchedulerSide, list[WorkerSide]]] = []
 
-    def make(**extra: Any) -> tuple[SchedulerSide, WorkerSide]:
+    def make(planned: EngineShape, workers: list[EngineShape], cache: Callable[[EngineShape], Any],
+             **extra: Any) -> tuple[SchedulerSide, list[WorkerSide]]:
         settings = Settings.from_extra({"sidecar": sidecar_target, "tenant": "vllm-tests", "store": "sync", **extra})
-        side = SchedulerSide(settings, shape, sidecar_link(settings, "scheduler"))
-        worker = WorkerSide(settings, shape, sidecar_link(settings, "worker"))
-        layers = [torch.zeros((512, HEADS, BLOCK, 2 * HEAD), dtype=torch.bfloat16) for _ in range(LAYERS)]
-        worker.paged = PagedKV(layers, BlockLayout.vec(HEADS, BLOCK, HEAD))
-        made.append((side, worker))
-        return side, worker
+        side = SchedulerSide(settings, planned, sidecar_link(settings, "scheduler"))
+        sides = []
+        for ws in workers:
+            w = WorkerSide(settings, ws, sidecar_link(settings, "worker"))
+            w.paged = cache(ws)
+            sides.append(w)
+        made.append((side, sides))
+        return side, sides
 
     yield make
-    shut_down([(side, [worker]) for side, worker in made])
-
-
-def shut_down(engines: list[tuple[SchedulerSide, list[WorkerSide]]]) -> None:
-    """Stop what fixtures made: each engine's workers (their background Stores), then its links."""
-    for side, workers in engines:
+    for side, workers in made:  # the workers' background Stores first, then the links
         for w in workers:
             w.shutdown()
             w.link.close()
         side.link.close()
+
+
+@pytest.fixture
+def engine(new_engine, shape: EngineShape):
+    """``engine(**extra)`` -> a fresh (scheduler side, worker side) pair of ``shape``; the worker
+    side has a CPU paged cache of 512 blocks in the ``vec`` layout and Stores synchronously unless
+    told otherwise."""
+
+    def cpu_cache(ws: EngineShape) -> PagedKV:
+        layers = [torch.zeros((512, HEADS, BLOCK, 2 * HEAD), dtype=torch.bfloat16) for _ in range(LAYERS)]
+        return PagedKV(layers, BlockLayout.vec(HEADS, BLOCK, HEAD))
+
+    def make(**extra: Any) -> tuple[SchedulerSide, WorkerSide]:
+        side, [worker] = new_engine(shape, [shape], cpu_cache, **extra)
+        return side, worker
+
+    return make
 
 
 class Prompts:

@@ -20,12 +20,12 @@ import torch
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.rotation import Pairing, RopeSpec, RotaryLayout
 from bench.vllm_layouts import LAYOUTS, build
-from tests.clients.vllm.conftest import BLOCK, Prompts, shut_down
+from tests.clients.vllm.conftest import BLOCK, Prompts
 from tests.clients.vllm.fakes import FakeScheduler, Request, latent_rows
 
 from clients.vllm.layouts import LatentKV, PagedSpec
 from clients.vllm.scheduler_side import SchedulerSide
-from clients.vllm.settings import EngineShape, Settings, sidecar_link
+from clients.vllm.settings import EngineShape
 from clients.vllm.worker_side import WorkerSide
 
 LAYERS, RANK, ROPE_DIM = 2, 16, 8
@@ -51,25 +51,16 @@ def latent_cache(layout: str) -> LatentKV:
 
 
 @pytest.fixture(params=["LBHNC", "BLNHC", "BHLNC"])
-def mla_engine(request, sidecar_target: str):
+def mla_engine(request, new_engine):
     """``mla_engine(tp=1, **extra)`` -> (scheduler side, workers): one MLA worker per TP rank."""
-    made: list[tuple[SchedulerSide, list[WorkerSide]]] = []
     shapes: dict[int, EngineShape] = {}
 
     def make(tp: int = 1, **extra) -> tuple[SchedulerSide, list[WorkerSide]]:
         shape = shapes.setdefault(tp, mla_shape(tp))
-        settings = Settings.from_extra({"sidecar": sidecar_target, "tenant": "mla-tests", "store": "sync", **extra})
-        side = SchedulerSide(settings, shape, sidecar_link(settings, "scheduler"))
-        workers = []
-        for rank in range(tp):
-            w = WorkerSide(settings, shape.for_rank(rank), sidecar_link(settings, "worker"))
-            w.paged = latent_cache(request.param)
-            workers.append(w)
-        made.append((side, workers))
-        return side, workers
+        return new_engine(shape, [shape.for_rank(rank) for rank in range(tp)], lambda ws: latent_cache(request.param),
+                          tenant="mla-tests", **extra)
 
-    yield make
-    shut_down(made)
+    return make
 
 
 def rows_of(worker: WorkerSide, block_ids: list[int], n: int) -> torch.Tensor:

@@ -16,15 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from sidecar.identity import KVLayout
-
 from clients.vllm.layouts import PagedSpec, StandardKV
 from clients.vllm.paged import BlockLayout, PagedKV
-from clients.vllm.scheduler_side import SchedulerSide
-from clients.vllm.settings import EngineShape, Settings, shard_name, sidecar_link
+from clients.vllm.settings import EngineShape, shard_name
 from clients.vllm.worker_side import WorkerSide
 from bench.vllm_layouts import LAYOUTS, build
-from tests.clients.vllm.conftest import BLOCK, HEAD, HEADS, LAYERS, shut_down
+from tests.clients.vllm.conftest import BLOCK, HEAD, HEADS, LAYERS
 from tests.clients.vllm.fakes import FakeScheduler, Request, kv_rows
 
 BLOCKS = 512
@@ -49,34 +46,18 @@ def layout_kind(request) -> str:
 
 
 @pytest.fixture(params=[(2, 1), (1, 2), (2, 2)], ids=lambda p: f"tp{p[0]}-pp{p[1]}")
-def parallel_engine(request, layout_kind: str, sidecar_target: str, shape: EngineShape):
+def parallel_engine(request, layout_kind: str, new_engine, shape: EngineShape):
     """``parallel_engine()`` -> (scheduler side, workers): TP x PP workers, each the cache of its
     stage's ``LAYERS / PP`` layers and its rank's ``HEADS`` heads (the model has ``TP * HEADS``
     heads), in the CPU backend's layout or a standard one; the scheduler side plans as vLLM's
     engine core does, under rank 0 of stage 0."""
     tp, pp = request.param
-    planned = dataclasses.replace(shape, num_layers=LAYERS // pp, tp_size=tp, pp_size=pp)
-    planned = dataclasses.replace(planned, layout=KVLayout.gqa(num_layers=LAYERS // pp, num_kv_heads=HEADS,
-                                                               head_dim=HEAD, dtype="bfloat16"))
-    planned = dataclasses.replace(planned, identity=dataclasses.replace(
-        shape.identity, kv_layout=planned.layout.fingerprint(), shard=shard_name(0, tp, 0, pp)))
-    made: list[tuple[SchedulerSide, list[WorkerSide]]] = []
-
-    def make() -> tuple[SchedulerSide, list[WorkerSide]]:
-        settings = Settings.from_extra({"sidecar": sidecar_target, "tenant": "vllm-tests", "store": "sync"})
-        side = SchedulerSide(settings, planned, sidecar_link(settings, "scheduler"))
-        workers = []
-        for stage in range(pp):
-            for rank in range(tp):
-                w = WorkerSide(settings, planned.for_rank(rank, stage, num_layers=LAYERS // pp),
-                               sidecar_link(settings, "worker"))
-                w.paged = cache(layout_kind, LAYERS // pp)
-                workers.append(w)
-        made.append((side, workers))
-        return side, workers
-
-    yield make
-    shut_down(made)
+    n = LAYERS // pp
+    layout = shape.layout_of(n)
+    planned = dataclasses.replace(shape, num_layers=n, layout=layout, tp_size=tp, pp_size=pp, identity=dataclasses.replace(
+        shape.identity, kv_layout=layout.fingerprint(), shard=shard_name(0, tp, 0, pp)))
+    workers = [planned.for_rank(rank, stage, num_layers=n) for stage in range(pp) for rank in range(tp)]
+    return lambda: new_engine(planned, workers, lambda ws: cache(layout_kind, ws.num_layers))
 
 
 def rows_of(worker: WorkerSide, block_ids: list[int], n: int) -> torch.Tensor:
