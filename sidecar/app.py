@@ -46,10 +46,13 @@ from sidecar.registry.lookup_kernel import warmup as compiled_warmup
 from sidecar.registry.registry import InMemoryRegistry
 from sidecar.registry.shared import SharedRegistry
 from sidecar.server.claims import ClaimHandlers, ClaimsService
-from sidecar.api.service import SERVICE_NAME
+from sidecar.api.service import INDEXER_METHODS, INDEXER_SERVICE_NAME, SERVICE_NAME
 from sidecar.server.edge import Edge
 from sidecar.server.kv import KVHandlers
 from sidecar.server.manifests import ManifestHandlers, ManifestService
+from sidecar.routing.fleet import Fleet
+from sidecar.routing.models import ModelCatalog
+from sidecar.server.routing import RoutingHandlers
 from sidecar.server.metrics import Metrics
 from sidecar.server.service import add_service
 from sidecar.server.sessions import SessionHandlers, SpliceService
@@ -108,6 +111,7 @@ class Sidecar:
     manifests: ManifestService
     edge: Edge
     kv: KVHandlers
+    fleet: Fleet
     handlers: tuple[object, ...]
 
 
@@ -146,20 +150,25 @@ def build(config: SidecarConfig, *, session_table: SessionTable | None = None) -
     edge = Edge(tenancy, limits, metrics, shared_memory=config.fetch_shared_memory)
     manifests = ManifestService(config.manifests, index, dataplane, tenancy, metrics, config.max_prompt_tokens)
     kv = KVHandlers(edge, config, index, dataplane, ledger, shared)
+    fleet = Fleet(config.routing, index, shared)
+    kv.on_stored = fleet.saw_identity
     handlers = (
         kv,
         SessionHandlers(edge, config, sessions, dataplane),
         ClaimHandlers(edge, config, claims),
         ManifestHandlers(edge, manifests),
+        RoutingHandlers(edge, config, kv, fleet, ModelCatalog(config.routing.models)),
     )
     metrics.watch_registry(index.registry)
     metrics.watch_dataplane(dataplane)
     metrics.watch_sessions(sessions.table)
     metrics.watch_claims(ledger, store)
+    metrics.watch_fleet(fleet)
     if shared is not None:
         metrics.watch_shared_registry(shared)
     return Sidecar(config=config, metrics=metrics, index=index, dataplane=dataplane, shared_registry=shared,
-                   sessions=sessions, claims=claims, manifests=manifests, edge=edge, kv=kv, handlers=handlers)
+                   sessions=sessions, claims=claims, manifests=manifests, edge=edge, kv=kv, fleet=fleet,
+                   handlers=handlers)
 
 
 class SidecarServer:
@@ -183,6 +192,7 @@ class SidecarServer:
         self.manifests = parts.manifests
         self.edge = parts.edge
         self.kv = parts.kv
+        self.fleet = parts.fleet
         opts = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -191,11 +201,14 @@ class SidecarServer:
             ("grpc.so_reuseport", int(config.worker_index >= 0)),
         ]
         self.grpc = grpc.aio.server(options=opts)
-        add_service(self.grpc, self.edge, parts.handlers, RequestLimits(config.wire.max_string_bytes, config.wire.max_repeated))
+        limits = RequestLimits(config.wire.max_string_bytes, config.wire.max_repeated)
+        add_service(self.grpc, self.edge, parts.handlers, limits)
+        add_service(self.grpc, self.edge, parts.handlers, limits, INDEXER_METHODS, INDEXER_SERVICE_NAME)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (SERVICE_NAME, INDEXER_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME),
             self.grpc,
         )
         self.port = 0
@@ -264,6 +277,8 @@ class SidecarServer:
         def on_health(up: bool) -> None:  # any thread
             if not loop.is_closed():
                 loop.call_soon_threadsafe(lambda: loop.create_task(self._set_registry_health(up)))
+                if up:  # Redis may have come back without its data: publish the residency again
+                    loop.call_soon_threadsafe(self.fleet.republish)
 
         up = await asyncio.to_thread(shared.start, on_health)
         await self._set_registry_health(up)

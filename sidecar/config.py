@@ -33,6 +33,7 @@ from sidecar.registry.chunker import ChunkerConfig
 from sidecar.registry.lookup_plan import AdmissionPolicy, RepairScope
 from sidecar.registry.registry import RegistryConfig
 from sidecar.registry.shared_keys import SharedRegistryConfig
+from sidecar.routing.config import RoutingConfig
 from sidecar.tiers import StoreConfig
 
 ENV_PREFIX = "KV_SIDECAR_"
@@ -179,6 +180,7 @@ class SidecarConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     directives: DirectivesConfig = field(default_factory=DirectivesConfig)
     shared_registry: SharedRegistryConfig = field(default_factory=SharedRegistryConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     manifests: ManifestsConfig = field(default_factory=ManifestsConfig)
     claims: ClaimsConfig = field(default_factory=ClaimsConfig)
     wire: WireConfig = field(default_factory=WireConfig)

@@ -33,7 +33,8 @@ MAX_LINES = 600
 LONG_FILE_PHRASE = "over 600 lines"
 
 #: packages that hold the domain: no transport, no wire, no edge
-DOMAIN = ("registry", "tiers", "rotation", "directives", "claims", "manifests", "shm", "dataplane", "limits")
+DOMAIN = ("registry", "tiers", "rotation", "directives", "claims", "manifests", "shm", "dataplane", "limits",
+          "routing")
 TRANSPORT = ("grpc", "grpc_*")  # grpc, and its companions (grpc_health, grpc_reflection, ...)
 STUBS = ("sidecar.v1",)  # the generated stubs (protoc's path for the proto package sidecar.v1)
 #: the product (bench/ and tests/ are raw-gRPC users of the wire and the metrics endpoint)

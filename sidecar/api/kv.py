@@ -104,6 +104,11 @@ def _build_identity(model_id: str, weights_hash: str, tokenizer_hash: str, kv_la
     )
 
 
+#: string fields that hold a prompt's text, bounded by its handler (``max_prompt_tokens``), not
+#: by ``wire.max_string_bytes``
+FREE_TEXT = frozenset({"indexer.v1.GetPodScoresRequest.prompt"})
+
+
 class RequestLimits:
     """Checks a decoded request against ``WireConfig``: every string field at most
     ``max_string_bytes`` UTF-8 bytes, every repeated field at most ``max_repeated`` entries, at
@@ -133,7 +138,7 @@ class RequestLimits:
                         err = self.error(v, f"{name}[{i}].")
                         if err is not None:
                             return err
-            elif fd.type == FD.TYPE_STRING:
+            elif fd.type == FD.TYPE_STRING and fd.full_name not in FREE_TEXT:
                 # len(str) <= UTF-8 bytes <= 4 x len(str): encode only when it could be too long
                 if len(value) > self.max_string_bytes // 4 and len(value.encode()) > self.max_string_bytes:
                     return f"{name}: {len(value.encode())} bytes exceeds wire.max_string_bytes {self.max_string_bytes}"

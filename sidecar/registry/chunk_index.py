@@ -193,9 +193,14 @@ class ChunkIndex:
                           chunk_bounds=out[b:].astype(np.uint32), hit_segment_tokens=out[r:t].tolist(),
                           seed_tokens=seeded)
 
-    def lookup_reference(self, q: LookupQuery, chunks: Chunks | None = None) -> LookupPlan:
+    def lookup_reference(self, q: LookupQuery, chunks: Chunks | None = None,
+                         view: Callable[[int], ChunkEntry | None] | None = None) -> LookupPlan:
         """``lookup`` by the reference planner (Python, per chunk): the specification of the
-        compiled one, and what plans when the kernel cannot."""
+        compiled one, and what plans when the kernel cannot.
+
+        ``view``: plan over the entries ``view(key)`` returns instead of the registry's RESIDENT
+        ones (None: not servable there): what one routing candidate holds
+        (``sidecar.routing.score``). Nothing is touched then."""
         n = len(q.tokens)
         epl = q.engine_prefix_len
         reg = self.registry
@@ -218,9 +223,10 @@ class ChunkIndex:
         c0 = int(np.searchsorted(bounds, epl, side="right")) - 1
         bl = bounds[c0:].tolist()
         scope = q.scope
-        cands = reg.get_many(chunks.fingerprints[0, c0:].tolist())
+        get_many = reg.get_many if view is None else (lambda keys: list(map(view, keys)))
+        cands = get_many(chunks.fingerprints[0, c0:].tolist())
         if len(scopes) > 1:
-            shared = reg.get_many(chunks.fingerprints[1, c0:].tolist())
+            shared = get_many(chunks.fingerprints[1, c0:].tolist())
             cands = [o if o is not None else s for o, s in zip(cands, shared)]
         summary.chunks_total = len(cands)
         # Only candidate hits are visited; the gaps between them become PREFILL rows.
@@ -231,7 +237,7 @@ class ChunkIndex:
         exact_only = q.policy is AdmissionPolicy.EXACT
         window = q.left_context_window
         k = q.recompute_tokens
-        serve_observed = q.dry_run
+        serve_observed = q.dry_run or view is not None
         resident = EntryState.RESIDENT
         cfg = reg.config
         extend = cfg.extend_hits
@@ -277,7 +283,8 @@ class ChunkIndex:
         )
         extents: list[tuple[int, int]] = []
         seed_tokens = 0
-        runs = shape_runs(groups, q.tokens, epl, n, reg.peek, extents=extents, **shaping)
+        peek = reg.peek if view is None else view
+        runs = shape_runs(groups, q.tokens, epl, n, peek, extents=extents, **shaping)
         table = reg.table
         if table is not None and table.seed_bits >= 0 and not exact_only and not window:
             # Seed hits in what the chunk hits' runs did not reach (``seeds``), shaped the same way.
@@ -286,12 +293,12 @@ class ChunkIndex:
                 gaps.append((lo, a))
                 lo = b
             gaps.append((lo, n))
-            find = self._seed_finder(q, scopes, table)
+            find = self._seed_finder(q, scopes, table, view)
             seed_min = min(max(cfg.min_hit_tokens, cfg.seed_min_tokens), n - epl)
             sgroups, edges, limits = seed_pieces(gaps, q.tokens, find, table.seed_bits, seed_min)
             if sgroups:
                 shaping["min_hit_tokens"] = seed_min
-                seeded = shape_runs(sgroups, q.tokens, epl, n, reg.peek, edges=edges, limits=limits, **shaping)
+                seeded = shape_runs(sgroups, q.tokens, epl, n, peek, edges=edges, limits=limits, **shaping)
                 seed_tokens = sum(e - s for run in seeded for s, e, *_ in run)
                 runs = sorted(runs + seeded, key=lambda run: run[0][0])
         pos = epl
@@ -326,13 +333,16 @@ class ChunkIndex:
             hit_segment_tokens=seg_tokens, seed_tokens=seed_tokens,
         )
 
-    def _seed_finder(self, q: LookupQuery, scopes: tuple[str, ...],
-                     table: EntryTable) -> Callable[[int, int], tuple[ChunkEntry, int] | None]:
+    def _seed_finder(self, q: LookupQuery, scopes: tuple[str, ...], table: EntryTable,
+                     view: Callable[[int], ChunkEntry | None] | None = None,
+                     ) -> Callable[[int, int], tuple[ChunkEntry, int] | None]:
         """``seed_pieces``' ``find`` for ``q``: the entry holding a seed window at prompt
         position ``p`` (mixed hash ``mix``) and the window's row, in the first of ``scopes``
         whose seed map names one that may serve it (``seeds``: scope, state, tokens, a whole
         window in the chunk at a non-negative chunk start, the identity's key)."""
         reg = self.registry
+        peek = reg.peek if view is None else view
+        any_state = q.dry_run or view is not None
         tokens = q.tokens
         salt = q.identity.salt
         probes = [(table.scope_ids[s], s, q.identity.scope_seed(s)) for s in scopes if s in table.scope_ids]
@@ -344,10 +354,10 @@ class ChunkIndex:
                 if value < 0:
                     continue
                 slot, row = unpack(value)
-                entry = reg.peek(int(table.su[slot, U_KEY]))
+                entry = peek(int(table.su[slot, U_KEY]))
                 if entry is None or entry.scope != scope or not entry.tokens:
                     continue
-                if not q.dry_run and entry.state is not EntryState.RESIDENT:
+                if not any_state and entry.state is not EntryState.RESIDENT:
                     continue
                 if row + w > entry.num_tokens or p < row:
                     continue

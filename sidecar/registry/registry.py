@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sidecar.registry.entry import ChunkEntry, ChunkHash, EntryState
@@ -117,6 +118,10 @@ class InMemoryRegistry:
         self.stats = RegistryStats()
         #: Keys LRU eviction must skip (claimed chunks); owned by the claims ledger.
         self.protected: set[int] = set()
+        #: Told ``(entry, state before, tier before, removed)`` after every change of a registered
+        #: entry's state, tier or canonical copy, its insertion and its removal (residency for
+        #: routing, ``sidecar.routing.residency``); runs on the registry's thread, must only queue.
+        self.observer: Callable[[ChunkEntry, EntryState | None, str | None, bool], None] | None = None
         #: The compiled planner's mirror of the entries (None without ``compiled_lookup``).
         self.table: EntryTable | None = (
             EntryTable(min(config.capacity_entries, 1024), interval_bits(config.seed_interval))
@@ -181,10 +186,14 @@ class InMemoryRegistry:
     def set_state(self, entry: ChunkEntry, state: EntryState, tier: str | None) -> None:
         """Record where an entry's KV lives (``tier``; None with OBSERVED: nowhere). State and
         tier do not change the entry's byte count."""
+        was_state, was_tier = entry.state, entry.tier
         entry.state = state
         entry.tier = tier
-        if self.table is not None and self._entries.get(entry.key) is entry:
-            self.table.put(entry, state is EntryState.RESIDENT)
+        if self._entries.get(entry.key) is entry:
+            if self.table is not None:
+                self.table.put(entry, state is EntryState.RESIDENT)
+            if self.observer is not None and (was_state is not state or was_tier != tier):
+                self.observer(entry, was_state, was_tier, False)
 
     def update(
         self,
@@ -220,6 +229,8 @@ class InMemoryRegistry:
             self._bytes += entry.nbytes - before
             if self.table is not None:
                 self.table.put(entry, entry.state is EntryState.RESIDENT)
+            if self.observer is not None:
+                self.observer(entry, entry.state, entry.tier, False)
 
     def link(self, chained: list[tuple[ChunkEntry, int]]) -> None:
         """Rebuild neighbour links of registered entries that arrive without them (imported
@@ -298,6 +309,8 @@ class InMemoryRegistry:
             self.table.add(entry, entry.state is EntryState.RESIDENT)
         self._count(entry.scope, 1)
         self.stats.inserts += 1
+        if self.observer is not None:
+            self.observer(entry, None, None, False)
         self._evict_to_capacity(entry.scope)
         return True
 
@@ -310,6 +323,8 @@ class InMemoryRegistry:
             del self._scope_lru[entry.scope]
         self._bytes -= entry.nbytes
         self._count(entry.scope, -1)
+        if self.observer is not None:
+            self.observer(entry, entry.state, entry.tier, True)
 
     def delete(self, key: int) -> bool:
         entry = self._entries.pop(key, None)

@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -54,6 +54,18 @@ logger = logging.getLogger(__name__)
 
 #: Error counter labels (``kv_sidecar_shared_registry_errors_total{op}``).
 OPS = ("read", "publish", "connect")
+
+
+class ResidencyWriter(Protocol):
+    """What the flusher sends for routing (``sidecar.routing.residency.Residency``)."""
+
+    def take(self, limit: int) -> list: ...
+    def restore(self, ops: list) -> None: ...
+    def write(self, pipe: Any, ops: list) -> None: ...
+    def beat_due(self, now: float) -> bool: ...
+    def beat(self, pipe: Any, now: float) -> None: ...
+    def beat_failed(self) -> None: ...
+    def leave(self, client: Any) -> None: ...
 
 
 @dataclass(slots=True)
@@ -99,6 +111,9 @@ class SharedRegistry:
         self._backoff = config.backoff_initial_s
         self._probed_at = 0.0
         self._was_up = False
+        #: this replica's residency writer (routing; None without ``routing.replica_id``): its
+        #: writes and heartbeat ride on the flusher's pipelines
+        self.residency: ResidencyWriter | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -145,6 +160,11 @@ class SharedRegistry:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.residency is not None and self.stats.up:
+            try:
+                self.residency.leave(self._writer)
+            except Exception:  # noqa: BLE001 - the heartbeat then expires on its own
+                pass
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         for c in (self._reader, self._writer):
@@ -234,8 +254,28 @@ class SharedRegistry:
         except RuntimeError:  # pool shut down (closing)
             return chunks
         if raw is not None:
-            self._absorb(reg, missing, scope_of, raw)
+            self.absorb(reg, missing, scope_of, raw)
         return chunks
+
+    async def run_read(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(reader client)`` in the read pool, bounded by ``timeout_s`` per Redis call; None
+        while Redis is down, when it fails (Redis then counts as down), or while closing."""
+        if not self.stats.up or self._pool is None:
+            self.stats.reads_skipped += 1
+            return None
+
+        def call() -> Any:
+            self.stats.reads += 1
+            try:
+                return fn(self._reader)
+            except Exception as exc:  # noqa: BLE001 - Redis trouble never fails a call
+                self._set_up(False, "read", exc)
+                return None
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        except RuntimeError:  # pool shut down (closing)
+            return None
 
     def _read(self, keys: list[bytes]) -> list[bytes | None] | None:
         """One round trip: MGET on one server; one MGET per slot in one pipeline on Cluster."""
@@ -253,12 +293,15 @@ class SharedRegistry:
             self._set_up(False, "read", exc)
             return None
 
-    def _absorb(self, reg: Any, keys: list[int], scopes: list[str], raw: list[bytes | None]) -> None:
-        """Insert the records found into the local registry (loop thread)."""
+    def absorb(self, reg: Any, keys: list[int], scopes: list[str], raw: list[bytes | None]) -> set[int]:
+        """Insert the records found into the local registry (loop thread). Returns the keys
+        whose bytes sit in this sidecar's shared remote tier (servable here from it)."""
         n = 0
+        servable: set[int] = set()
         tier_b = self.shared_tier.encode()
         decode = SharedRecord.decode_entry
         scope_b = {s: s.encode() for s in set(scopes)}
+        resident = EntryState.RESIDENT
         for key, scope, value in zip(keys, scopes, raw):
             if value is None:
                 continue
@@ -266,18 +309,21 @@ class SharedRegistry:
             e = decode(value, key, scope, scope_b[scope], tier_b)
             if e is None:
                 continue
+            if e.state is resident:
+                servable.add(key)
             old = reg.peek(key)
             if old is None:
                 n += reg.insert(e)
-            elif e.state is EntryState.RESIDENT and old.state is not EntryState.RESIDENT and (
+            elif e.state is resident and old.state is not resident and (
                 old.num_tokens == e.num_tokens and (not old.tokens or token_digest(old.tokens) == e.digest)
             ):
                 # Known here as metadata only; a peer's copy is servable now: it is canonical.
                 reg.update(old, source_pos=e.source_pos, prefix_digest=e.prefix_digest,
                            left_context=e.left_context, digest=e.digest)
-                reg.set_state(old, EntryState.RESIDENT, Tier.REMOTE.value)
+                reg.set_state(old, resident, Tier.REMOTE.value)
                 n += 1
         self.stats.read_found += n
+        return servable
 
     # ------------------------------------------------------------------ publish
 
@@ -332,16 +378,21 @@ class SharedRegistry:
             self._wake.wait(wait)
 
     def _flush(self) -> None:
-        """Send what is queued, batch by batch, while Redis answers; probe the shared scope."""
+        """Send what is queued, batch by batch, while Redis answers (records first, then this
+        replica's residency writes and heartbeat: a scorer finds a chunk's record whenever it
+        finds the chunk's residency); probe the shared scope."""
         cfg = self.config
         ttl = int(cfg.entry_ttl_s) or None
         now = time.monotonic()
         probe = now - self._probed_at >= cfg.probe_interval_s
+        res = self.residency
+        beat = res is not None and res.beat_due(now)
         while True:
             with self._lock:
                 n = min(len(self._pending), cfg.max_batch)
                 batch = [self._pending.popleft() for _ in range(n)]
-            if not batch and not probe:
+            ops = res.take(cfg.max_batch) if res is not None else []
+            if not batch and not probe and not ops and not beat:
                 return
             try:
                 pipe = self._writer.pipeline(transaction=False)
@@ -352,6 +403,10 @@ class SharedRegistry:
                         pipe.set(key, value, ex=ttl, get=True)
                     else:
                         pipe.set(key, value, ex=ttl, nx=True)
+                if ops:
+                    res.write(pipe, ops)
+                if beat:
+                    res.beat(pipe, now)
                 if probe:
                     pipe.get(self.keys.count_key(SHARED_SCOPE))
                 results = pipe.execute()
@@ -374,12 +429,17 @@ class SharedRegistry:
                         self._pending.popleft()
                     if over > 0:
                         self.stats.dropped += over
+                if ops:
+                    res.restore(ops)
+                if beat:
+                    res.beat_failed()
                 self._set_up(False, "publish", exc)
                 return
             self.stats.published += sum(1 for b in batch if b[1] is not None)
+            beat = False
             if probe:
                 self.shared_nonempty = SHARED_SCOPE in new or bool(int(results[-1] or 0))
                 self._probed_at = now
                 probe = False
-            if not batch:
+            if not batch and not ops:
                 return

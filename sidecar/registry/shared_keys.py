@@ -4,6 +4,9 @@ Key layout (ARCHITECTURE.md, "Scale"; docs/operations.md, "Shared registry")::
 
     <prefix>:{<scope tag>}:<chunk key, 16 hex>    one record per chunk (string, TTL)
     <prefix>:{<scope tag>}:n                      chunks first published under the scope (counter)
+    <prefix>:{<scope tag>}:r:<chunk key, 16 hex>  which replicas hold the chunk (hash; routing)
+    <prefix>:{replicas}:<replica id>              a replica's heartbeat (string, TTL; routing)
+    <prefix>:{replicas}                           replica ids that ever beat (set; routing)
 
 ``scope tag`` = xxh64 of the scope name (hex). The chunk key is already salted server-side with
 the cache identity and the scope (``CacheIdentity.scope_seed``), so a key names exactly one
@@ -227,3 +230,20 @@ class SharedRecord:
             state=EntryState.RESIDENT if servable else EntryState.OBSERVED,
             tier=Tier.REMOTE.value if servable else None, num_tokens=self.num_tokens, digest=self.digest,
         )
+
+
+def residency_keys(space: KeySpace, scope: str, keys: Sequence[int]) -> list[bytes]:
+    """The residency hashes of ``keys`` (``<prefix>:{<scope tag>}:r:<chunk key>``): one field
+    per replica holding the chunk (``sidecar.routing.residency``). Same slot as the records."""
+    base = space.base(scope)
+    return [f"{base}r:{k:016x}".encode() for k in keys]
+
+
+def beat_key(space: KeySpace, replica: str) -> bytes:
+    """A replica's heartbeat (``<prefix>:{replicas}:<replica id>``, with a TTL)."""
+    return f"{space.prefix}:{{replicas}}:{replica}".encode()
+
+
+def members_key(space: KeySpace) -> bytes:
+    """The set of replica ids that ever beat (``<prefix>:{replicas}``; live = a beat exists)."""
+    return f"{space.prefix}:{{replicas}}".encode()

@@ -43,6 +43,7 @@ from sidecar.api.kv import (
     stats_request,
     store_messages,
 )
+from sidecar.api.routing import score_request, score_result_from_wire
 from sidecar.api.manifests import (
     export_manifest_request,
     import_manifest_request,
@@ -174,6 +175,12 @@ class KVSidecarRpcs:
         Counters since the sidecar started (``SidecarStats``).""")
     ping = Rpc("Ping", ping_request, _nothing, idempotent=True, doc="""
         An empty round trip (the latency baseline); raises when the sidecar is unreachable.""")
+
+    score = Rpc("Score", score_request, score_result_from_wire, idempotent=True, doc="""
+        KV-aware routing (docs/routing.md): per candidate replica id (empty: every live one), what
+        it could serve of ``tokens`` from cache, planned like a Lookup with the same guards
+        (``ScoreResult``: a ``ReplicaScore`` per live candidate in ``candidates``' order, and the
+        ``absent`` ones). Changes nothing.""")
 
     # ----------------------------------------------------------------------- manifests
     import_manifest = Rpc("ImportManifest", import_manifest_request, ImportResult.from_wire, idempotent=True, doc="""

@@ -77,6 +77,8 @@ class KVHandlers:
         self.tenant_totals: OrderedDict[str, dict[str, int]] = OrderedDict()
         #: committed Stores still writing (they finish even when their call was cancelled)
         self._commits: set[asyncio.Task] = set()
+        #: told the identity of every Store that stored KV (routing names it in the heartbeat)
+        self.on_stored: Callable[[CacheIdentity], None] | None = None
 
     # ------------------------------------------------------------------------------ Lookup
 
@@ -84,7 +86,7 @@ class KVHandlers:
     async def Lookup(self, request: wire.LookupRequest, context: grpc.aio.ServicerContext) -> wire.LookupPlanMsg:
         t0 = time.perf_counter()
         tenant = self.edge.tenancy.resolve(context)
-        query = self._lookup_query(request, tenant)
+        query = self.lookup_query(request, tenant)
         shared = self.shared
         chunks = await shared.fill(self.index, query) if shared is not None else None
         plan = self.index.lookup(query, chunks)
@@ -95,7 +97,8 @@ class KVHandlers:
         m.lookup_seconds.observe(time.perf_counter() - t0)
         return msg
 
-    def _lookup_query(self, request: wire.LookupRequest, tenant: str) -> LookupQuery:
+    def lookup_query(self, request: wire.LookupRequest, tenant: str) -> LookupQuery:
+        """The validated ``LookupQuery`` of ``request`` (INVALID_ARGUMENT naming the field)."""
         cfg = self.config
         data = request.tokens  # each read of a bytes field copies it
         tokens = tokens_from_wire(data, "tokens", cfg.max_prompt_tokens)
@@ -296,6 +299,8 @@ class KVHandlers:
             )
             m.store_bytes.inc(out.stored_bytes)
             m.store_seconds.observe(time.perf_counter() - t0)
+            if self.on_stored is not None and out.chunks_stored:
+                self.on_stored(identity)
             registered, refreshed, stored, bounds = (
                 out.chunks_registered, out.chunks_refreshed, out.chunks_stored, out.bounds
             )

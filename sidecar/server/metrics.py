@@ -14,6 +14,11 @@ kv_sidecar_lookups_total{policy,dry_run}        Lookups served
 kv_sidecar_lookup_tokens_total{kind,dry_run}    prompt tokens by kind: prefix | exact |
                                                 shifted | prefill
 kv_sidecar_lookup_seconds                       server-side Lookup latency (histogram)
+kv_sidecar_score_seconds                        server-side Score / GetPodScores latency (histogram)
+kv_sidecar_routing_scores_total                 Score calls; _round_trips_total: their Redis round
+                                                trips; _planned_total: candidates planned;
+                                                _absent_total: candidates without a live heartbeat
+kv_sidecar_routing_residency_written_total      residency fields this replica set or deleted
 kv_sidecar_lookup_hit_segment_tokens            tokens per planned hit segment (histogram;
                                                 coalesced, extended chunk hits)
 kv_sidecar_lookup_seed_tokens_total{dry_run}    of the shifted tokens, those found through
@@ -163,6 +168,21 @@ class _SharedRegistryCollector:
         yield GaugeMetricFamily(f"{p}_pending", "Records waiting to be published", value=sr.pending)
 
 
+class _FleetCollector:
+    """Routing counters (``sidecar.routing.Fleet.stats``) read at scrape time."""
+
+    def __init__(self, fleet) -> None:
+        self._fleet = fleet
+
+    def collect(self):
+        f = self._fleet
+        for name, value in f.stats.items():
+            yield CounterMetricFamily(f"kv_sidecar_routing_{name}", f"Routing: {name.replace('_', ' ')}", value=value)
+        if f.residency is not None:
+            yield CounterMetricFamily("kv_sidecar_routing_residency_written", "Residency fields set or deleted",
+                                      value=f.residency.written)
+
+
 class _ClaimsCollector:
     """Claim states and event counts read from the ledger at scrape time."""
 
@@ -237,6 +257,9 @@ class Metrics:
         self.lookup_seconds = Histogram(
             "kv_sidecar_lookup_seconds", "Server-side Lookup latency", buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.score_seconds = Histogram(
+            "kv_sidecar_score_seconds", "Server-side Score / GetPodScores latency", buckets=_LATENCY_BUCKETS, registry=r
+        )
         self.lookup_hit_segment_tokens = BatchHistogram(
             "kv_sidecar_lookup_hit_segment_tokens", "Tokens per planned hit segment", buckets=_SEGMENT_BUCKETS,
             registry=r,
@@ -290,6 +313,9 @@ class Metrics:
 
     def watch_shared_registry(self, shared: "SharedRegistry") -> None:
         self.registry.register(_SharedRegistryCollector(shared))
+
+    def watch_fleet(self, fleet) -> None:
+        self.registry.register(_FleetCollector(fleet))
 
     def watch_claims(self, ledger, store) -> None:
         self.registry.register(_ClaimsCollector(ledger, store))

@@ -21,7 +21,7 @@ import grpc
 from sidecar.api.frames import serialize_fetch
 from sidecar.api.kv import RequestLimits
 from sidecar.errors import InvalidArgument
-from sidecar.api.service import METHODS, SERVICE_NAME
+from sidecar.api.service import METHODS, SERVICE_NAME, Method
 from sidecar.server.edge import Edge
 
 #: Streaming methods whose responses are pre-serialized frames (``sidecar.api.frames``).
@@ -95,12 +95,12 @@ def _checked(edge: Edge, name: str, behaviour: Callable, client_streaming: bool,
     return unary
 
 
-def bind(areas: Iterable[object]) -> dict[str, Callable]:
+def bind(areas: Iterable[object], methods: tuple[Method, ...] = METHODS) -> dict[str, Callable]:
     """Method name -> handler, for every method of the service. Raises ``TypeError`` naming the
     method when one has no handler among ``areas`` or more than one."""
     areas = tuple(areas)
     bound = {}
-    for m in METHODS:
+    for m in methods:
         found = [getattr(a, m.name) for a in areas if callable(getattr(a, m.name, None))]
         if len(found) != 1:
             owners = [type(a).__name__ for a in areas if callable(getattr(a, m.name, None))]
@@ -109,15 +109,17 @@ def bind(areas: Iterable[object]) -> dict[str, Callable]:
     return bound
 
 
-def add_service(server: grpc.aio.Server, edge: Edge, areas: Iterable[object], limits: RequestLimits) -> None:
-    """Register the KVSidecar service on ``server`` with the handlers ``bind`` finds."""
+def add_service(server: grpc.aio.Server, edge: Edge, areas: Iterable[object], limits: RequestLimits,
+                methods: tuple[Method, ...] = METHODS, service_name: str = SERVICE_NAME) -> None:
+    """Register the KVSidecar service (or another, ``methods`` of ``service_name``) on
+    ``server`` with the handlers ``bind`` finds."""
     handlers = {}
-    bound = bind(areas)
-    for m in METHODS:
+    bound = bind(areas, methods)
+    for m in methods:
         kind = (m.client_streaming, m.server_streaming)
         handlers[m.name] = _KINDS[kind](
             _checked(edge, m.name, bound[m.name], *kind),
             request_deserializer=_lenient(m.request, limits),
             response_serializer=serialize_fetch if m.name in _FRAMED else m.response.SerializeToString,
         )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))

@@ -1,6 +1,7 @@
-"""Regenerate (or check) the committed gRPC stubs from proto/sidecar/v1/sidecar.proto.
+"""Regenerate (or check) the committed gRPC stubs from proto/sidecar/v1/*.proto.
 
-``python -m sidecar.v1.generate`` rewrites sidecar/v1/sidecar_pb2*.py;
+``python -m sidecar.v1.generate`` rewrites sidecar/v1/sidecar_pb2*.py (the KVSidecar service) and
+sidecar/v1/llmd_indexer_pb2*.py (llm-d's IndexerService, served for llm-d's scheduler);
 ``python -m sidecar.v1.generate --check`` exits 1 if they are stale. The stubs are committed so
 that installing the sidecar needs no protoc; grpcio-tools is a test extra.
 """
@@ -14,8 +15,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PROTO = "sidecar/v1/sidecar.proto"
-OUTPUTS = ("sidecar_pb2.py", "sidecar_pb2.pyi", "sidecar_pb2_grpc.py")
+PROTOS = ("sidecar/v1/sidecar.proto", "sidecar/v1/llmd_indexer.proto")
+OUTPUTS = tuple(f"{Path(p).stem}{suffix}" for p in PROTOS for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
 
 
 def generate(out_dir: Path) -> None:
@@ -27,10 +28,10 @@ def generate(out_dir: Path) -> None:
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
-        str(ROOT / "proto" / PROTO),
+        *(str(ROOT / "proto" / p) for p in PROTOS),
     ]
     if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed on {PROTO}")
+        raise RuntimeError(f"protoc failed on {PROTOS}")
 
 
 def stale_files() -> list[str]:

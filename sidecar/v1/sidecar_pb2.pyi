@@ -920,3 +920,48 @@ class ClaimEvent(_message.Message):
     gap: int
     mode: ClaimMode
     def __init__(self, seq: _Optional[int] = ..., event: _Optional[str] = ..., claim_id: _Optional[str] = ..., request_id: _Optional[str] = ..., time: _Optional[float] = ..., blocking_claim_ids: _Optional[_Iterable[str]] = ..., proof: _Optional[_Union[CapacityProof, _Mapping]] = ..., leading_tokens: _Optional[int] = ..., predicate_min_tokens: _Optional[int] = ..., reason: _Optional[str] = ..., gap: _Optional[int] = ..., mode: _Optional[_Union[ClaimMode, str]] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("lookup", "candidates")
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    lookup: LookupRequest
+    candidates: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., candidates: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReplicaScore(_message.Message):
+    __slots__ = ("replica", "prefix_tokens", "exact_tokens", "shifted_tokens", "prefill_tokens", "saved_tokens", "chunks_hit", "tier_tokens")
+    class TierTokensEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXACT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHIFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_HIT_FIELD_NUMBER: _ClassVar[int]
+    TIER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    prefix_tokens: int
+    exact_tokens: int
+    shifted_tokens: int
+    prefill_tokens: int
+    saved_tokens: int
+    chunks_hit: int
+    tier_tokens: _containers.ScalarMap[str, int]
+    def __init__(self, replica: _Optional[str] = ..., prefix_tokens: _Optional[int] = ..., exact_tokens: _Optional[int] = ..., shifted_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., saved_tokens: _Optional[int] = ..., chunks_hit: _Optional[int] = ..., tier_tokens: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("total_tokens", "scores", "absent")
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    ABSENT_FIELD_NUMBER: _ClassVar[int]
+    total_tokens: int
+    scores: _containers.RepeatedCompositeFieldContainer[ReplicaScore]
+    absent: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, total_tokens: _Optional[int] = ..., scores: _Optional[_Iterable[_Union[ReplicaScore, _Mapping]]] = ..., absent: _Optional[_Iterable[str]] = ...) -> None: ...

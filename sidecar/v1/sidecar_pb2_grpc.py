@@ -159,6 +159,11 @@ class KVSidecarStub(object):
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ClaimEvent.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/Score',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class KVSidecarServicer(object):
@@ -327,6 +332,14 @@ class KVSidecarServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """KV-aware routing (docs/routing.md): per candidate replica, the prompt tokens it could serve
+        from cache (engine prefix, exact, shifted; by tier) and the prefill it would save.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVSidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -454,6 +467,11 @@ def add_KVSidecarServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.WatchEventsRequest.FromString,
                     response_serializer=sidecar_dot_v1_dot_sidecar__pb2.ClaimEvent.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ScoreRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1131,6 +1149,33 @@ class KVSidecar(object):
             '/sidecar.v1.KVSidecar/WatchEvents',
             sidecar_dot_v1_dot_sidecar__pb2.WatchEventsRequest.SerializeToString,
             sidecar_dot_v1_dot_sidecar__pb2.ClaimEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/Score',
+            sidecar_dot_v1_dot_sidecar__pb2.ScoreRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

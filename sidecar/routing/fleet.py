@@ -1,0 +1,223 @@
+"""The fleet as one sidecar sees it: publish this replica's residency, score candidates.
+
+``Fleet.score(query, candidates)``::
+
+    chunk the prompt (own scope, + shared)              one compiled pass
+    one pipelined Redis round trip (read pool, timeout_s):
+        records of the chunks not RESIDENT here (all of them with a shared remote tier)
+        HMGET <chunk's residency hash> <peer ids>       per chunk and scope
+        GET <peer's heartbeat>                          per peer
+    absorb the records (as a Lookup's near-cache fill does)
+    per live candidate: plan over its view (``score``)
+
+No candidates named: one more round trip first lists the replicas that beat (the members set).
+Redis down or slow: peers are reported ``absent`` (never an error); the own replica is scored
+from the local registry. Tenancy: every key read is derived from the caller's scope and
+``shared`` (the chunk keys are scope-salted), so another tenant's content changes neither a
+score nor the work done to compute it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sidecar.identity import SHARED_SCOPE, CacheIdentity
+from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
+from sidecar.registry.entry import EntryState
+from sidecar.registry.shared import SharedRegistry
+from sidecar.registry.shared_keys import beat_key, members_key, residency_keys
+from sidecar.routing.config import RoutingConfig
+from sidecar.routing.residency import Beat, Holding, Residency, decode_holding
+from sidecar.routing.score import Holdings, ReplicaScore, ScoreResult, own_view, score_one
+
+
+class Fleet:
+    """Routing for one sidecar: its ``Residency`` (when it has a replica id and a shared
+    registry) and ``score``. ``stats``: score calls, Redis round trips, candidates planned."""
+
+    def __init__(self, config: RoutingConfig, index: ChunkIndex, shared: SharedRegistry | None) -> None:
+        self.config = config
+        self.index = index
+        self.shared = shared
+        self.replica = config.replica_id
+        self.residency: Residency | None = None
+        self.stats = {"scores": 0, "round_trips": 0, "planned": 0, "absent": 0}
+        if self.replica and shared is not None:
+            self.residency = Residency(shared.keys, self.replica, ttl_s=config.heartbeat_ttl_s,
+                                       entry_ttl_s=shared.config.entry_ttl_s, shared_tier=shared.shared_tier)
+            shared.residency = self.residency
+            index.registry.observer = self.residency.changed
+
+    def saw_identity(self, identity: CacheIdentity) -> None:
+        if self.residency is not None:
+            self.residency.saw_identity(identity)
+
+    def own_identities(self) -> tuple[CacheIdentity, ...]:
+        """The identities this replica's engine stored under, newest first."""
+        return self.residency.identities() if self.residency is not None else ()
+
+    def republish(self) -> int:
+        """Queue this replica's whole residency again (loop thread; O(entries)): after Redis came
+        back without its data. Returns the chunks queued."""
+        res = self.residency
+        if res is None:
+            return 0
+        n = 0
+        for e in self.index.registry.entries():
+            if e.state is EntryState.RESIDENT:
+                res.changed(e, None, None, False)
+                n += 1
+        return n
+
+    # ------------------------------------------------------------------ members
+
+    async def live_replicas(self) -> list[str]:
+        """Every replica beating now (one Redis round trip; [] while Redis is down)."""
+        shared = self.shared
+        if shared is None:
+            return [self.replica] if self.replica else []
+        keys = shared.keys
+
+        def read(r: Any) -> list[str]:
+            members = sorted(m.decode() for m in r.smembers(members_key(keys)))
+            pipe = r.pipeline(transaction=False)
+            for m in members:
+                pipe.exists(beat_key(keys, m))
+            return [m for m, alive in zip(members, pipe.execute()) if alive]
+
+        live = await shared.run_read(read)
+        out = list(live or ())
+        if self.replica and self.replica not in out:
+            out.insert(0, self.replica)
+        return out
+
+    async def beats(self, replicas: Sequence[str]) -> dict[str, Beat]:
+        """The live beats of ``replicas`` (one round trip)."""
+        shared = self.shared
+        if shared is None or not replicas:
+            return {}
+        keys = shared.keys
+        raw = await shared.run_read(lambda r: r.mget([beat_key(keys, p) for p in replicas]) if not shared.config.cluster
+                                    else [r.get(beat_key(keys, p)) for p in replicas])
+        if raw is None:
+            return {}
+        out = {}
+        for p, v in zip(replicas, raw):
+            b = Beat.decode(v)
+            if b is not None:
+                out[p] = b
+        return out
+
+    # ------------------------------------------------------------------ Score
+
+    async def score(self, q: LookupQuery, candidates: Sequence[str]) -> ScoreResult:
+        """Per live candidate (in ``candidates``' order) what it could serve of ``q``."""
+        self.stats["scores"] += 1
+        index = self.index
+        reg = index.registry
+        shared = self.shared
+        peers = [c for c in candidates if c != self.replica]
+        scopes: tuple[str, ...] = (q.scope,)
+        if q.scope != SHARED_SCOPE and (reg.scope_entries(SHARED_SCOPE) > 0 or (shared is not None and shared.shared_nonempty)):
+            scopes = (q.scope, SHARED_SCOPE)
+        chunks = index.chunk(q.tokens, q.identity, scopes)
+        held: dict[str, dict[int, Holding]] = {p: {} for p in peers}
+        alive: dict[str, Beat] = {}
+        remote: set[int] = set()
+        if peers and shared is not None:
+            got = await self._read(chunks, scopes, peers)
+            if got is not None:
+                alive, held, remote = got
+        scores: list[ReplicaScore] = []
+        absent: list[str] = []
+        n = len(q.tokens)
+        for c in candidates:
+            if c == self.replica:
+                view, tier_of = own_view(reg.peek)
+            elif c in alive:
+                beat = alive[c]
+                same_tier = bool(shared.shared_tier) and beat.shared_tier == shared.shared_tier
+                h = Holdings(reg.peek, held[c], remote if same_tier else frozenset())
+                if not h:
+                    scores.append(ReplicaScore(replica=c, prefill_tokens=n))
+                    continue
+                view, tier_of = h, h.tier
+            else:
+                absent.append(c)
+                continue
+            self.stats["planned"] += 1
+            scores.append(score_one(index, q, chunks, c, view, tier_of))
+        self.stats["absent"] += len(absent)
+        return ScoreResult(total_tokens=n, scores=scores, absent=absent)
+
+    async def _read(self, chunks: Any, scopes: tuple[str, ...], peers: list[str]
+                    ) -> tuple[dict[str, Beat], dict[str, dict[int, Holding]], set[int]] | None:
+        """The one pipelined round trip, then the records absorbed (loop thread)."""
+        shared = self.shared
+        assert shared is not None
+        reg = self.index.registry
+        space = shared.keys
+        everything = bool(shared.shared_tier)  # which chunks a remote copy serves: every record
+        resident = EntryState.RESIDENT
+        rec_keys: list[bytes] = []
+        rec_chunk: list[int] = []
+        rec_scope: list[str] = []
+        res_keys: list[bytes] = []
+        res_chunk: list[int] = []
+        for row, scope in enumerate(scopes):
+            fps = chunks.fingerprints[row].tolist()
+            res_keys += residency_keys(space, scope, fps)
+            res_chunk += fps
+            if everything:
+                need = fps
+            else:
+                need = [k for k, e in zip(fps, reg.get_many(fps)) if e is None or e.state is not resident]
+            if need:
+                rec_keys += space.chunk_keys(scope, need)
+                rec_chunk += need
+                rec_scope += [scope] * len(need)
+        fields = [p.encode() for p in peers]
+        beats = [beat_key(space, p) for p in peers]
+        cluster = shared.config.cluster
+
+        def read(r: Any) -> list[Any]:
+            pipe = r.pipeline(transaction=False)
+            if cluster:  # one GET per key: redis-py routes a cluster pipeline's commands per slot
+                for k in rec_keys:
+                    pipe.get(k)
+            elif rec_keys:
+                pipe.mget(rec_keys)
+            for k in res_keys:
+                pipe.hmget(k, fields)
+            for k in beats:
+                pipe.get(k)
+            return pipe.execute()
+
+        out = await shared.run_read(read)
+        if out is None:
+            return None
+        self.stats["round_trips"] += 1
+        if cluster:
+            records, rest = out[: len(rec_keys)], out[len(rec_keys):]
+        elif rec_keys:
+            records, rest = out[0], out[1:]
+        else:
+            records, rest = [], out
+        hm, bt = rest[: len(res_keys)], rest[len(res_keys):]
+        remote = shared.absorb(reg, rec_chunk, rec_scope, records) if rec_keys else set()
+        alive: dict[str, Beat] = {}
+        for p, raw in zip(peers, bt):
+            b = Beat.decode(raw)
+            if b is not None:
+                alive[p] = b
+        held: dict[str, dict[int, Holding]] = {p: {} for p in peers}
+        incs = [(i, p, alive[p].incarnation) for i, p in enumerate(peers) if p in alive]
+        for key, values in zip(res_chunk, hm):
+            for i, p, inc in incs:
+                v = values[i]
+                if v is not None:
+                    h = decode_holding(v, inc)
+                    if h is not None:
+                        held[p][key] = h
+        return alive, held, remote

@@ -1,0 +1,145 @@
+"""Scores: per candidate replica, what the Lookup planner would serve it from cache.
+
+A score is a Lookup plan, not a second planner: ``ChunkIndex.lookup_reference`` runs once per
+candidate over a *view* of the entries, the chunks that candidate holds, with the request's
+admission policy and guards (``LookupQuery``), and nothing is touched::
+
+    candidate's view(key) = this sidecar's entry for the chunk (tokens, links, left context)
+                            re-positioned where THAT replica's copy was computed (its residency
+                            field: source_pos, prefix_digest), or None when it holds no copy
+
+    plan ──> prefix (the leading exact run from position 0), exact, shifted, prefill tokens;
+             tokens by the tier each hit is served from
+
+The scoring sidecar's own replica is planned over its own registry (its RESIDENT entries), so its
+score equals the plan its Lookup returns with ``engine_prefix_len`` 0. A peer's score can fall
+short of its Lookup by the hit extension into stored neighbours whose tokens this sidecar has
+never seen (records carry a digest, not tokens): at most the neighbour chunk at each hit edge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
+from sidecar.registry.chunker import Chunks
+from sidecar.registry.entry import ChunkEntry, EntryState
+from sidecar.registry.lookup_plan import SEG_END, SEG_FIDELITY, SEG_HASH, SEG_KIND, SEG_START, Fidelity, SegmentKind
+from sidecar.routing.residency import Holding
+from sidecar.tiers import Tier
+
+_HIT = int(SegmentKind.CHUNK_HIT)
+_EXACT = int(Fidelity.EXACT)
+_REMOTE = Tier.REMOTE.value
+
+
+@dataclass(slots=True)
+class ReplicaScore:
+    """What one replica could serve of a prompt (tokens)."""
+
+    replica: str
+    prefix_tokens: int = 0
+    exact_tokens: int = 0
+    shifted_tokens: int = 0
+    prefill_tokens: int = 0
+    chunks_hit: int = 0
+    tier_tokens: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def saved_tokens(self) -> int:
+        """The prefill this replica would save: prefix + exact + shifted."""
+        return self.prefix_tokens + self.exact_tokens + self.shifted_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreResult:
+    total_tokens: int
+    scores: list[ReplicaScore]
+    absent: list[str]
+
+
+class Holdings:
+    """One candidate's view for the planner: ``held`` (its residency: key -> its copy) plus the
+    chunks of the shared remote tier it reads (``remote``), over this sidecar's entries."""
+
+    def __init__(self, peek: Callable[[int], ChunkEntry | None], held: Mapping[int, Holding],
+                 remote: frozenset[int] | set[int] = frozenset()) -> None:
+        self.peek = peek
+        self.held = held
+        self.remote = remote
+        self._copies: dict[int, ChunkEntry] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.held) or bool(self.remote)
+
+    def __call__(self, key: int) -> ChunkEntry | None:
+        h = self.held.get(key)
+        if h is None:
+            return self.peek(key) if key in self.remote else None
+        base = self.peek(key)
+        if base is None:
+            return None  # no record of the chunk here (expired or not yet published): not plannable
+        if base.source_pos == h.source_pos and base.prefix_digest == h.prefix_digest:
+            return base
+        copy = self._copies.get(key)
+        if copy is None:
+            # That replica's copy was computed elsewhere: plan with its position and context.
+            copy = self._copies[key] = replace(base, source_pos=h.source_pos, prefix_digest=h.prefix_digest,
+                                               next_digest=h.next_digest, prev_key=0, next_key=0)
+        return copy
+
+    def tier(self, key: int) -> str:
+        h = self.held.get(key)
+        return h.tier if h is not None else _REMOTE
+
+
+def own_view(peek: Callable[[int], ChunkEntry | None]) -> tuple[Callable[[int], ChunkEntry | None],
+                                                                Callable[[int], str]]:
+    """The scoring sidecar's own replica: its RESIDENT entries, at their tiers."""
+    resident = EntryState.RESIDENT
+
+    def view(key: int) -> ChunkEntry | None:
+        e = peek(key)
+        return e if e is not None and e.state is resident else None
+
+    def tier(key: int) -> str:
+        e = peek(key)
+        return (e.tier or _REMOTE) if e is not None else _REMOTE
+
+    return view, tier
+
+
+def score_one(index: ChunkIndex, q: LookupQuery, chunks: Chunks, replica: str,
+              view: Callable[[int], ChunkEntry | None], tier_of: Callable[[int], str]) -> ReplicaScore:
+    """Plan ``q`` over ``view`` (``ChunkIndex.lookup_reference``) and read the score off the plan."""
+    plan = index.lookup_reference(q, chunks, view=view)
+    t = plan.table
+    out = ReplicaScore(replica=replica, chunks_hit=plan.summary.chunks_hit)
+    n = plan.summary.total_tokens
+    if not len(t):
+        out.prefill_tokens = n
+        return out
+    kind = t[:, SEG_KIND].astype(np.int64)
+    start = t[:, SEG_START].astype(np.int64)
+    end = t[:, SEG_END].astype(np.int64)
+    hit = kind == _HIT
+    exact = hit & (t[:, SEG_FIDELITY].astype(np.int64) == _EXACT)
+    # the leading exact run: hits from position 0 on, each starting where the previous ended
+    pos = 0
+    for i in range(len(t)):
+        if not exact[i] or start[i] != pos:
+            break
+        pos = int(end[i])
+    lengths = end - start
+    out.prefix_tokens = pos
+    out.exact_tokens = int(lengths[exact].sum()) - pos
+    out.shifted_tokens = int(lengths[hit & ~exact].sum())
+    out.prefill_tokens = n - out.saved_tokens
+    tiers = out.tier_tokens
+    for key, length in zip(t[hit, SEG_HASH].tolist(), lengths[hit].tolist()):
+        tier = tier_of(key)
+        tiers[tier] = tiers.get(tier, 0) + length
+    return out

@@ -1,0 +1,103 @@
+"""Fixtures of the routing tests: a fleet of real sidecar processes sharing one real Redis."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+
+import numpy as np
+import pytest
+import torch
+
+from bench.harness import spawn_sidecar, stop_process
+from sidecar.client import SyncSidecarClient
+from sidecar.identity import CacheIdentity, KVLayout
+from tests.conftest import ANCHORS, message
+
+MiB = 1 << 20
+LAYOUT = KVLayout.gqa(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32")
+IDENT = CacheIdentity(model_id="tiny", kv_layout=LAYOUT.fingerprint())
+#: liveness bound of waits for asynchronous publication (not a timing assertion)
+DEADLINE_S = 20.0
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+def flags(prefix: str, redis_url: str, replica: str, **extra) -> list[str]:
+    sets = {
+        "chunker.anchor_tokens": "[" + ",".join(map(str, ANCHORS)) + "]",
+        "shared_registry.redis_url": redis_url,
+        "shared_registry.key_prefix": prefix,
+        "shared_registry.publish_interval_s": 0.02,
+        "store.namespace": prefix,
+        "store.cpu_bytes": 64 * MiB,
+        "routing.replica_id": replica,
+        "routing.heartbeat_ttl_s": 1.0,
+        "auth.shared_writers": "[ops]",
+        **extra,
+    }
+    return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+
+
+class FleetProcs:
+    """Sidecar processes by replica id (``start``, ``kill``), stopped at the end."""
+
+    def __init__(self, prefix: str, redis_url: str) -> None:
+        self.prefix = prefix
+        self.redis_url = redis_url
+        self.targets: dict[str, str] = {}
+        self._procs: dict = {}
+
+    def start(self, replica: str, **extra) -> str:
+        proc, target = spawn_sidecar(*flags(self.prefix, self.redis_url, replica, **extra))
+        self._procs[replica] = proc
+        self.targets[replica] = target
+        return target
+
+    def kill(self, replica: str) -> None:
+        proc = self._procs.pop(replica)
+        proc.kill()
+        proc.wait(10)
+
+    def close(self) -> None:
+        for proc in self._procs.values():
+            stop_process(proc)
+
+
+@pytest.fixture
+def fleet(prefix: str, redis_url: str) -> Iterator[FleetProcs]:
+    f = FleetProcs(prefix, redis_url)
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+@pytest.fixture
+def clients() -> Iterator[Callable[..., SyncSidecarClient]]:
+    with ExitStack() as stack:
+        def open_client(target: str, tenant: str = "alice") -> SyncSidecarClient:
+            return stack.enter_context(SyncSidecarClient(target, tenant=tenant))
+
+        yield open_client
+
+
+def conversation(rng: np.random.Generator, sizes=(400, 300, 350)) -> list[np.ndarray]:
+    """Chat messages (an anchor each), to be concatenated in any order."""
+    return [message(rng, n, ANCHORS[1 + i % 3]) for i, n in enumerate(sizes)]
+
+
+def store_kv(client: SyncSidecarClient, tokens: np.ndarray, seed: int = 0, shared: bool = False) -> int:
+    """Register ``tokens`` and Store a random payload for every chunk; returns the chunks stored."""
+    meta = client.store(tokens, identity=IDENT, shared=shared)
+    g = torch.Generator().manual_seed(seed)
+    b = meta.chunk_bounds
+    per_tok = LAYOUT.bytes_per_token // 4
+    pl = {a: torch.randn((e - a) * per_tok, generator=g) for a, e in zip(b[:-1], b[1:])}
+    res = client.store(tokens, identity=IDENT, layout=LAYOUT, payloads=pl, shared=shared)
+    assert res.chunks_stored == len(pl)
+    return len(pl)
