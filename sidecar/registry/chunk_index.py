@@ -128,18 +128,25 @@ class ChunkIndex:
 
     # ----------------------------------------------------------------------------- lookup
 
-    def lookup(self, q: LookupQuery, chunks: Chunks | None = None) -> LookupPlan:
+    def lookup(self, q: LookupQuery, chunks: Chunks | None = None, *, touch: bool = True) -> LookupPlan:
         """Plan ``q``. ``chunks``: ``self.chunk(q.tokens, q.identity, scopes)`` already computed
         for scopes ``(q.scope,)`` or ``(q.scope, "shared")`` (the shared registry's near-cache
         fill does this once for both). Compiled when the registry has its mirror and the kernel
-        can decide (module docstring), else ``lookup_reference``: the same plan either way."""
+        can decide (module docstring), else ``lookup_reference``: the same plan either way.
+        ``touch=False``: the hits' recency is left as it was (a routing score of this sidecar's
+        own replica, ``sidecar.routing``)."""
         table = self.registry.table
         if table is not None and not q.left_context_window and q.engine_prefix_len < len(q.tokens):
-            plan = self._lookup_compiled(q, chunks, table)
+            plan = self._lookup_compiled(q, chunks, table, touch)
             if plan is not None:
                 self.compiled_lookups += 1
                 return plan
         self.reference_lookups += 1
+        if not touch and not q.dry_run:
+            reg = self.registry
+            resident = EntryState.RESIDENT
+            return self.lookup_reference(q, chunks, view=lambda k: e if (e := reg.peek(k)) is not None
+                                         and e.state is resident else None)
         return self.lookup_reference(q, chunks)
 
     def _key_seeds(self, identity: CacheIdentity, scope: str, search_shared: bool) -> np.ndarray:
@@ -154,7 +161,8 @@ class ChunkIndex:
             self._seeds[(salt, scope, search_shared)] = seeds
         return seeds
 
-    def _lookup_compiled(self, q: LookupQuery, chunks: Chunks | None, table: EntryTable) -> LookupPlan | None:
+    def _lookup_compiled(self, q: LookupQuery, chunks: Chunks | None, table: EntryTable,
+                         touch: bool = True) -> LookupPlan | None:
         """``lookup_kernel.plan`` of ``q``, touches and counts applied; None: the kernel could not
         decide (nothing was changed)."""
         reg = self.registry
@@ -182,7 +190,7 @@ class ChunkIndex:
         r = lookup_kernel.HEADER + 7 * nrows
         t = r + nseg
         b = t + ntouch
-        if ntouch:
+        if ntouch and touch:
             reg.touch_many(out[t:b].tolist())
         if vfail:
             reg.stats.verify_failures += vfail
@@ -194,13 +202,13 @@ class ChunkIndex:
                           seed_tokens=seeded)
 
     def lookup_reference(self, q: LookupQuery, chunks: Chunks | None = None,
-                         view: Callable[[int], ChunkEntry | None] | None = None) -> LookupPlan:
+                         view: Callable[[int], ChunkEntry | None] | None = None, *, seeds: bool = True) -> LookupPlan:
         """``lookup`` by the reference planner (Python, per chunk): the specification of the
         compiled one, and what plans when the kernel cannot.
 
         ``view``: plan over the entries ``view(key)`` returns instead of the registry's RESIDENT
         ones (None: not servable there): what one routing candidate holds
-        (``sidecar.routing.score``). Nothing is touched then."""
+        (``sidecar.routing.score``). Nothing is touched then. ``seeds=False``: no seed hits."""
         n = len(q.tokens)
         epl = q.engine_prefix_len
         reg = self.registry
@@ -286,7 +294,7 @@ class ChunkIndex:
         peek = reg.peek if view is None else view
         runs = shape_runs(groups, q.tokens, epl, n, peek, extents=extents, **shaping)
         table = reg.table
-        if table is not None and table.seed_bits >= 0 and not exact_only and not window:
+        if seeds and table is not None and table.seed_bits >= 0 and not exact_only and not window:
             # Seed hits in what the chunk hits' runs did not reach (``seeds``), shaped the same way.
             gaps, lo = [], epl
             for a, b in extents:

@@ -19,6 +19,7 @@ score nor the work done to compute it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from sidecar.registry.shared import SharedRegistry
 from sidecar.registry.shared_keys import beat_key, members_key, residency_keys
 from sidecar.routing.config import RoutingConfig
 from sidecar.routing.residency import Beat, Holding, Residency, decode_holding
-from sidecar.routing.score import Holdings, ReplicaScore, ScoreResult, own_view, score_one
+from sidecar.routing.score import Holdings, ReplicaScore, ScoreResult, own_tier, score_of
 
 
 class Fleet:
@@ -43,6 +44,7 @@ class Fleet:
         self.replica = config.replica_id
         self.residency: Residency | None = None
         self.stats = {"scores": 0, "round_trips": 0, "planned": 0, "absent": 0}
+        self._copies: dict = {}  # Holdings' re-positioned entries, shared across calls
         if self.replica and shared is not None:
             self.residency = Residency(shared.keys, self.replica, ttl_s=config.heartbeat_ttl_s,
                                        entry_ttl_s=shared.config.entry_ttl_s, shared_tier=shared.shared_tier)
@@ -132,22 +134,26 @@ class Fleet:
         scores: list[ReplicaScore] = []
         absent: list[str] = []
         n = len(q.tokens)
+        if len(self._copies) > 1 << 16:
+            self._copies.clear()
         for c in candidates:
-            if c == self.replica:
-                view, tier_of = own_view(reg.peek)
+            if c == self.replica:  # planned as its Lookup is, recency untouched
+                plan = index.lookup(dataclasses.replace(q, dry_run=False), chunks, touch=False)
+                tier_of = own_tier(reg.peek)
             elif c in alive:
                 beat = alive[c]
                 same_tier = bool(shared.shared_tier) and beat.shared_tier == shared.shared_tier
-                h = Holdings(reg.peek, held[c], remote if same_tier else frozenset())
+                h = Holdings(reg.peek, held[c], remote if same_tier else frozenset(), self._copies)
                 if not h:
                     scores.append(ReplicaScore(replica=c, prefill_tokens=n))
                     continue
-                view, tier_of = h, h.tier
+                plan = index.lookup_reference(q, chunks, view=h, seeds=False)
+                tier_of = h.tier
             else:
                 absent.append(c)
                 continue
             self.stats["planned"] += 1
-            scores.append(score_one(index, q, chunks, c, view, tier_of))
+            scores.append(score_of(plan, c, tier_of))
         self.stats["absent"] += len(absent)
         return ScoreResult(total_tokens=n, scores=scores, absent=absent)
 

@@ -1,8 +1,9 @@
 """Scores: per candidate replica, what the Lookup planner would serve it from cache.
 
-A score is a Lookup plan, not a second planner: ``ChunkIndex.lookup_reference`` runs once per
-candidate over a *view* of the entries, the chunks that candidate holds, with the request's
-admission policy and guards (``LookupQuery``), and nothing is touched::
+A score is a Lookup plan, not a second planner: the Lookup planner runs once per candidate with
+the request's admission policy and guards (``LookupQuery``), and nothing is touched. The scoring
+sidecar's own replica is planned like its Lookup (the compiled planner over its registry); each
+peer by ``ChunkIndex.lookup_reference`` over a *view* of the entries, the chunks it holds::
 
     candidate's view(key) = this sidecar's entry for the chunk (tokens, links, left context)
                             re-positioned where THAT replica's copy was computed (its residency
@@ -11,23 +12,31 @@ admission policy and guards (``LookupQuery``), and nothing is touched::
     plan ──> prefix (the leading exact run from position 0), exact, shifted, prefill tokens;
              tokens by the tier each hit is served from
 
-The scoring sidecar's own replica is planned over its own registry (its RESIDENT entries), so its
-score equals the plan its Lookup returns with ``engine_prefix_len`` 0. A peer's score can fall
-short of its Lookup by the hit extension into stored neighbours whose tokens this sidecar has
-never seen (records carry a digest, not tokens): at most the neighbour chunk at each hit edge.
+The own replica's score equals the plan its Lookup returns with ``engine_prefix_len`` 0. A peer's
+score can fall short of its own Lookup in two ways, never exceed it: the hit extension into
+stored neighbours whose tokens this sidecar has never seen (records carry a digest, not tokens),
+at most the neighbour chunk at each hit edge; and seed hits (text moved without a chunk cut of
+its own), which are not searched for peers (they would cost a seed-map probe per 32 tokens).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
-from sidecar.registry.chunker import Chunks
 from sidecar.registry.entry import ChunkEntry, EntryState
-from sidecar.registry.lookup_plan import SEG_END, SEG_FIDELITY, SEG_HASH, SEG_KIND, SEG_START, Fidelity, SegmentKind
+from sidecar.registry.lookup_plan import (
+    SEG_END,
+    SEG_FIDELITY,
+    SEG_HASH,
+    SEG_KIND,
+    SEG_START,
+    Fidelity,
+    LookupPlan,
+    SegmentKind,
+)
 from sidecar.routing.residency import Holding
 from sidecar.tiers import Tier
 
@@ -66,11 +75,13 @@ class Holdings:
     chunks of the shared remote tier it reads (``remote``), over this sidecar's entries."""
 
     def __init__(self, peek: Callable[[int], ChunkEntry | None], held: Mapping[int, Holding],
-                 remote: frozenset[int] | set[int] = frozenset()) -> None:
+                 remote: frozenset[int] | set[int] = frozenset(), copies: dict | None = None) -> None:
         self.peek = peek
         self.held = held
         self.remote = remote
-        self._copies: dict[int, ChunkEntry] = {}
+        #: re-positioned copies, by (key, source_pos, prefix_digest, next_digest): shared across
+        #: calls by the caller (bounded there)
+        self._copies: dict[tuple[int, int, int, int], ChunkEntry] = {} if copies is None else copies
 
     def __bool__(self) -> bool:
         return bool(self.held) or bool(self.remote)
@@ -84,11 +95,17 @@ class Holdings:
             return None  # no record of the chunk here (expired or not yet published): not plannable
         if base.source_pos == h.source_pos and base.prefix_digest == h.prefix_digest:
             return base
-        copy = self._copies.get(key)
-        if copy is None:
-            # That replica's copy was computed elsewhere: plan with its position and context.
-            copy = self._copies[key] = replace(base, source_pos=h.source_pos, prefix_digest=h.prefix_digest,
-                                               next_digest=h.next_digest, prev_key=0, next_key=0)
+        ck = (key, h.source_pos, h.prefix_digest, h.next_digest)
+        copy = self._copies.get(ck)
+        if copy is None or copy.num_tokens != base.num_tokens:
+            # That replica's copy was computed elsewhere: plan with its position and context
+            # (its neighbours there are unknown: no links).
+            copy = self._copies[ck] = ChunkEntry(
+                key=base.key, scope=base.scope, tokens=base.tokens, source_pos=h.source_pos,
+                prefix_digest=h.prefix_digest, left_context=base.left_context, state=base.state, tier=base.tier,
+                num_tokens=base.num_tokens, digest=base.digest, next_digest=h.next_digest)
+        elif not copy.tokens and base.tokens:
+            copy.tokens = base.tokens
         return copy
 
     def tier(self, key: int) -> str:
@@ -96,26 +113,18 @@ class Holdings:
         return h.tier if h is not None else _REMOTE
 
 
-def own_view(peek: Callable[[int], ChunkEntry | None]) -> tuple[Callable[[int], ChunkEntry | None],
-                                                                Callable[[int], str]]:
-    """The scoring sidecar's own replica: its RESIDENT entries, at their tiers."""
-    resident = EntryState.RESIDENT
-
-    def view(key: int) -> ChunkEntry | None:
-        e = peek(key)
-        return e if e is not None and e.state is resident else None
+def own_tier(peek: Callable[[int], ChunkEntry | None]) -> Callable[[int], str]:
+    """The tier of the scoring sidecar's own copy of a chunk."""
 
     def tier(key: int) -> str:
         e = peek(key)
-        return (e.tier or _REMOTE) if e is not None else _REMOTE
+        return (e.tier or _REMOTE) if e is not None and e.state is EntryState.RESIDENT else _REMOTE
 
-    return view, tier
+    return tier
 
 
-def score_one(index: ChunkIndex, q: LookupQuery, chunks: Chunks, replica: str,
-              view: Callable[[int], ChunkEntry | None], tier_of: Callable[[int], str]) -> ReplicaScore:
-    """Plan ``q`` over ``view`` (``ChunkIndex.lookup_reference``) and read the score off the plan."""
-    plan = index.lookup_reference(q, chunks, view=view)
+def score_of(plan: LookupPlan, replica: str, tier_of: Callable[[int], str]) -> ReplicaScore:
+    """Read a candidate's score off its plan (planned with ``engine_prefix_len`` 0)."""
     t = plan.table
     out = ReplicaScore(replica=replica, chunks_hit=plan.summary.chunks_hit)
     n = plan.summary.total_tokens

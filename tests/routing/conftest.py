@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -52,11 +53,16 @@ class FleetProcs:
         self.targets: dict[str, str] = {}
         self._procs: dict = {}
 
-    def start(self, replica: str, **extra) -> str:
-        proc, target = spawn_sidecar(*flags(self.prefix, self.redis_url, replica, **extra))
+    def start(self, replica: str, *argv: str, **extra) -> str:
+        """Start ``replica`` with ``extra`` settings (``--set``) and ``argv`` (more CLI flags)."""
+        proc, target = spawn_sidecar(*flags(self.prefix, self.redis_url, replica, **extra), *argv)
         self._procs[replica] = proc
         self.targets[replica] = target
         return target
+
+    def stop(self, replica: str) -> None:
+        """A clean stop (SIGTERM: the sidecar deletes its heartbeat)."""
+        stop_process(self._procs.pop(replica))
 
     def kill(self, replica: str) -> None:
         proc = self._procs.pop(replica)
@@ -101,3 +107,31 @@ def store_kv(client: SyncSidecarClient, tokens: np.ndarray, seed: int = 0, share
     res = client.store(tokens, identity=IDENT, layout=LAYOUT, payloads=pl, shared=shared)
     assert res.chunks_stored == len(pl)
     return len(pl)
+
+
+def wait_until(cond: Callable[[], object], what: str, deadline_s: float = DEADLINE_S):
+    """Poll ``cond`` until it returns a truthy value (returned), within a liveness bound."""
+    end = time.monotonic() + deadline_s
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def command_calls(r) -> dict[str, int]:
+    """Redis ``INFO commandstats``: calls per command (``cmdstat_`` stripped)."""
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in r.info("commandstats").items()}
+
+
+def calls_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Commands called between two ``command_calls`` readings (the INFO calls left out)."""
+    return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0) and k != "info"}
+
+
+def keyspace_reads(r) -> tuple[int, int]:
+    """``INFO stats`` ``keyspace_hits``, ``keyspace_misses``."""
+    st = r.info("stats")
+    return int(st["keyspace_hits"]), int(st["keyspace_misses"])

@@ -1,0 +1,376 @@
+"""KV-aware routing across a fleet: round-robin vs prefix-only affinity vs the sidecar's score.
+
+    ./dev bench routing            # ~15 minutes on 2 cores; --quick for a smoke run
+
+The fleet: three replicas, each a reference engine (``clients.transformers.Engine``, its own
+exact-prefix cache, Lookup -> Fetch -> prefill -> Store through its own sidecar) served by one
+worker thread, each sidecar a ``kv-sidecar serve`` process with ``routing.replica_id``, all on
+one Redis (shared registry; no shared remote tier, so a replica serves only what it holds).
+Every arm starts from a fresh fleet (new sidecar processes and key prefix, empty engine caches).
+
+The traffic: the real agent traces (bench/data/agent_traces: mini-SWE-agent and tau-bench),
+one trajectory per agent, replayed call by call with the truncation policy applied (tool outputs
+older than two turns cut to a head/tail stub, ``TruncateOldToolOutputs``) and a per-agent header
+message first: the agent's name and session, and the time of the request, which changes every
+call (as agent harnesses stamp their system prompts). Agents run concurrently, closed loop (the
+next call when the previous answered), so their requests interleave on the fleet.
+
+Arms (the router picks a replica per request; the engines are the same in every arm):
+
+    round_robin   replicas in turn
+    prefix        prefix-only affinity, as Dynamo's KV router and llm-d's indexer score: the
+                  longest exact-prefix block match (16-token blocks) against what each engine's
+                  own prefix cache holds (an exact index of its "KV events": every prompt it
+                  served, nothing evicted), among replicas within the load bound
+    sidecar       the reference router (``sidecar.sdk.router.Router``): the sidecar fleet's Score
+                  (position-independent: engine prefix, exact and shifted hits), same load bound
+
+Both affinity arms use ``pick`` with the same bound (``--load-slack``: in-flight requests at most
+that many above the least loaded replica) and fall back to the least loaded replica when no score
+reaches ``--min-saved`` tokens. Measured per arm: fleet-wide prompt tokens served from cache
+(the engine's own prefix + the sidecar's exact and shifted hits, as the engine loaded them),
+TTFT p50 / p99 (from the routing decision to the first token: routing, queueing, Lookup, Fetch,
+prefill), and load balance (max / mean requests per replica). Goal: the sidecar arm serves
+>= 1.3x the cached tokens of the prefix arm at a balance within 10% of round-robin's.
+
+Model: the random-weight Llama-shaped model of ``bench.ttft --model random`` (``--layers`` x
+``--hidden``) with the offline hash tokenizer: real forward passes, sized for 2 cores.
+Results: bench/results/routing.json and routing.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import numpy as np
+
+from bench.harness import bench_redis, machine, sidecar_process, write_results
+from bench.workloads.traces import TruncateOldToolOutputs, load_trajectories
+
+REPLICAS = ("r0", "r1", "r2")
+ARMS = ("round_robin", "prefix", "sidecar")
+BLOCK = 16
+
+
+# ----------------------------------------------------------------------------- workload
+
+
+def agent_prompts(template, *, agents: int, turns: int, max_tokens: int, seed: int) -> list[tuple[str, list[np.ndarray]]]:
+    """Per agent (trace name, its prompts in call order): one trajectory each, alternating the
+    two traces, the truncation policy applied, a per-agent header stamped with each call's time."""
+    policy = TruncateOldToolOutputs()
+    rng = np.random.default_rng(seed)
+    pools = {name: load_trajectories(name) for name in ("mini_swe", "tau_bench")}
+    out = []
+    for i in range(agents):
+        name = ("mini_swe", "tau_bench")[i % 2]
+        traj = pools[name][(i // 2) % len(pools[name])]
+        session = uuid.UUID(int=int(rng.integers(0, 2**63))).hex[:12]
+        clock = 9 * 3600 + int(rng.integers(0, 3600))
+        prompts = []
+        for t, messages in enumerate(traj.calls[:turns]):
+            clock += int(rng.integers(20, 90))
+            stamp = f"2026-11-27T{clock // 3600:02d}:{clock // 60 % 60:02d}:{clock % 60:02d}Z"
+            header = {"role": "system", "content": f"Agent {name}-{i} (session {session}). Request {t + 1} at {stamp}."}
+            msgs = [header, *policy.transform(messages, t)]
+            tokens = template.render(msgs, traj.tools)
+            if len(tokens) > max_tokens:
+                break
+            prompts.append(tokens)
+        out.append((name, prompts))
+    return out
+
+
+# ----------------------------------------------------------------------------- fleet
+
+
+class Replica:
+    """One engine behind a queue, served by one thread."""
+
+    def __init__(self, name: str, engine) -> None:
+        self.name = name
+        self.engine = engine
+        self.jobs: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._serve, name=f"engine-{name}", daemon=True)
+        self.thread.start()
+
+    def submit(self, tokens: np.ndarray) -> Future:
+        fut: Future = Future()
+        self.jobs.put((tokens, fut))
+        return fut
+
+    def _serve(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            tokens, fut = job
+            try:
+                t0 = time.perf_counter()
+                res = self.engine.prefill(tokens)
+                fut.set_result((t0, res))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting agent
+                fut.set_exception(exc)
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(60)
+
+
+class PrefixIndex:
+    """What each engine's prefix cache holds (every prompt it served): the exact-prefix match
+    Dynamo's and llm-d's routers compute from engine KV events, in whole blocks."""
+
+    def __init__(self) -> None:
+        self.seqs: dict[str, list[np.ndarray]] = {r: [] for r in REPLICAS}
+        self.lock = threading.Lock()
+
+    def add(self, replica: str, tokens: np.ndarray) -> None:
+        with self.lock:
+            self.seqs[replica].append(tokens)
+
+    def match(self, tokens: np.ndarray) -> dict[str, int]:
+        with self.lock:
+            seqs = {r: list(s) for r, s in self.seqs.items()}
+        out = {}
+        for r, ss in seqs.items():
+            best = 0
+            for s in ss:
+                m = min(len(s), len(tokens))
+                diff = np.flatnonzero(s[:m] != tokens[:m])
+                best = max(best, int(diff[0]) if len(diff) else m)
+            out[r] = min(best, len(tokens) - 1) // BLOCK * BLOCK
+        return out
+
+
+@dataclass
+class Record:
+    arm: str
+    agent: int
+    trace: str
+    turn: int
+    replica: str
+    tokens: int
+    prefix: int
+    exact: int
+    shifted: int
+    prefill: int
+    predicted: int  # the router's score of the chosen replica (saved tokens)
+    ttft_s: float
+    route_s: float
+    queue_s: float
+    fetch_misses: int
+
+    @property
+    def cached(self) -> int:
+        return self.prefix + self.exact + self.shifted
+
+
+def run_arm(arm: str, model, weights_hash: str, template, agents, args) -> list[Record]:
+    from clients.transformers import Engine, PrefixCache
+    from sidecar.client import SyncSidecarClient
+    from sidecar.sdk.router import Router, RouterConfig, pick
+
+    records: list[Record] = []
+    with ExitStack() as stack:
+        url = bench_redis(stack)
+        key_prefix = f"route{uuid.uuid4().hex[:8]}"
+        anchors = ",".join(str(a) for a in template.anchor_token_ids)
+        replicas: dict[str, Replica] = {}
+        scorer = None
+        for name in REPLICAS:
+            target = stack.enter_context(sidecar_process(
+                "--set", f"chunker.anchor_tokens=[{anchors}]", "--set", f"store.cpu_bytes={args.cpu_gib << 30}",
+                "--set", f"shared_registry.redis_url={url}", "--set", f"shared_registry.key_prefix={key_prefix}",
+                "--set", "shared_registry.publish_interval_s=0.01", "--set", f"routing.replica_id={name}",
+                "--set", f"store.namespace={key_prefix}{name}", "--set", "max_prompt_tokens=262144",
+            ))
+            client = stack.enter_context(SyncSidecarClient(target, tenant="fleet"))
+            engine = Engine(model, sidecar=client, namespace="routing", weights_hash=weights_hash,
+                            prefix_cache=PrefixCache(capacity_bytes=args.prefix_cache_gib << 30))
+            replicas[name] = Replica(name, engine)
+            stack.callback(replicas[name].stop)
+            if scorer is None:
+                scorer = stack.enter_context(SyncSidecarClient(target, tenant="fleet", timeout_s=2.0))
+        identity = replicas[REPLICAS[0]].engine.identity
+        cfg = RouterConfig(load_slack=args.load_slack, min_saved_tokens=args.min_saved)
+        router = Router(scorer, list(REPLICAS), cfg)
+        index = PrefixIndex()
+        load = dict.fromkeys(REPLICAS, 0)
+        lock = threading.Lock()
+        turn_counter = iter(range(1 << 30))
+
+        def route(tokens: np.ndarray) -> tuple[str, int]:
+            with lock:
+                snapshot = dict(load)
+                k = next(turn_counter)
+            if arm == "round_robin":
+                return REPLICAS[k % len(REPLICAS)], 0
+            if arm == "prefix":
+                saved = index.match(tokens)
+                r = pick(list(REPLICAS), saved, snapshot, load_slack=cfg.load_slack,
+                         min_saved_tokens=cfg.min_saved_tokens, start=k)
+                return r, saved[r]
+            chosen = router.route(tokens, identity)
+            return chosen.replica, chosen.saved_tokens
+
+        def agent(i: int, trace: str, prompts: list[np.ndarray]) -> None:
+            for t, tokens in enumerate(prompts):
+                t_start = time.perf_counter()
+                if arm == "sidecar":
+                    # the reference router counts the request in flight itself
+                    ctx = router.request(tokens, identity)
+                    chosen = ctx.__enter__()
+                    replica, predicted = chosen.replica, chosen.saved_tokens
+                else:
+                    ctx = None
+                    replica, predicted = route(tokens)
+                    with lock:
+                        load[replica] += 1
+                t_routed = time.perf_counter()
+                try:
+                    t0, res = replicas[replica].submit(tokens).result()
+                finally:
+                    if ctx is not None:
+                        ctx.__exit__(None, None, None)
+                    else:
+                        with lock:
+                            load[replica] -= 1
+                index.add(replica, tokens)
+                records.append(Record(
+                    arm=arm, agent=i, trace=trace, turn=t, replica=replica, tokens=len(tokens),
+                    prefix=res.prefix_tokens, exact=res.exact_tokens, shifted=res.shifted_tokens,
+                    prefill=res.prefill_tokens, predicted=predicted,
+                    ttft_s=t0 + res.timings.ttft_s - t_start, route_s=t_routed - t_start, queue_s=t0 - t_routed,
+                    fetch_misses=res.fetch_misses,
+                ))
+
+        threads = [threading.Thread(target=agent, args=(i, trace, prompts), name=f"agent-{i}", daemon=True)
+                   for i, (trace, prompts) in enumerate(agents)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    return records
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def summarize(records: list[Record]) -> dict:
+    ttft = np.array([r.ttft_s for r in records])
+    per = {name: sum(1 for r in records if r.replica == name) for name in REPLICAS}
+    counts = np.array(list(per.values()), dtype=float)
+    out = {
+        "requests": len(records),
+        "prompt_tokens": int(sum(r.tokens for r in records)),
+        "cached_tokens": int(sum(r.cached for r in records)),
+        "prefix_tokens": int(sum(r.prefix for r in records)),
+        "exact_tokens": int(sum(r.exact for r in records)),
+        "shifted_tokens": int(sum(r.shifted for r in records)),
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "route_p50_ms": float(np.percentile([r.route_s for r in records], 50) * 1e3),
+        "requests_per_replica": per,
+        "load_balance": float(counts.max() / counts.mean()),
+        "fetch_misses": int(sum(r.fetch_misses for r in records)),
+        # what the router's score promised for the replicas it chose, against what they served
+        "predicted_tokens": int(sum(r.predicted for r in records)),
+    }
+    out["cached_fraction"] = out["cached_tokens"] / max(1, out["prompt_tokens"])
+    for trace in sorted({r.trace for r in records}):
+        sub = [r for r in records if r.trace == trace]
+        out[f"cached_tokens[{trace}]"] = int(sum(r.cached for r in sub))
+    return out
+
+
+def plot(summary: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [a for a in ARMS if a in summary]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    axes[0].bar(arms, [summary[a]["cached_tokens"] / 1e3 for a in arms], color=["#999", "#69c", "#d62"])
+    axes[0].set_title("prompt tokens served from cache (K)")
+    x = np.arange(len(arms))
+    axes[1].bar(x - 0.2, [summary[a]["ttft_p50_s"] for a in arms], 0.4, label="p50")
+    axes[1].bar(x + 0.2, [summary[a]["ttft_p99_s"] for a in arms], 0.4, label="p99")
+    axes[1].set_xticks(x, arms)
+    axes[1].set_title("TTFT (s)")
+    axes[1].legend()
+    axes[2].bar(arms, [summary[a]["load_balance"] for a in arms], color="#888")
+    axes[2].set_ylim(1.0, max(1.5, max(summary[a]["load_balance"] for a in arms) + 0.1))
+    axes[2].set_title("load balance (max / mean requests)")
+    fig.suptitle("3 replicas, agents replaying real traces (truncation policy, per-call header)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--agents", type=int, default=12)
+    ap.add_argument("--turns", type=int, default=12, help="calls per agent (at most)")
+    ap.add_argument("--max-tokens", type=int, default=6144, help="an agent stops before a longer prompt")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (shared by the three engines)")
+    ap.add_argument("--load-slack", type=int, default=2)
+    ap.add_argument("--min-saved", type=int, default=64)
+    ap.add_argument("--cpu-gib", type=int, default=1, help="each sidecar's CPU tier")
+    ap.add_argument("--prefix-cache-gib", type=int, default=4, help="each engine's own prefix cache")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="4 agents x 4 calls (smoke run; results not written)")
+    args = ap.parse_args()
+    if args.quick:
+        args.agents, args.turns = 4, 4
+    args.device = "cpu"
+    import torch
+
+    from bench.ttft import load_bench_model
+    from clients.transformers.models import weights_fingerprint
+
+    setup = load_bench_model("random", args)
+    torch.set_num_threads(args.threads)
+    model, template = setup.model, setup.template
+    wh = weights_fingerprint(model)
+    agents = agent_prompts(template, agents=args.agents, turns=args.turns, max_tokens=args.max_tokens, seed=args.seed)
+    n_req = sum(len(p) for _, p in agents)
+    print(f"{len(agents)} agents, {n_req} requests, {sum(len(t) for _, p in agents for t in p)} prompt tokens per arm")
+    summary = {}
+    for arm in args.arms.split(","):
+        t0 = time.perf_counter()
+        recs = run_arm(arm, model, wh, template, agents, args)
+        summary[arm] = {**summarize(recs), "wall_s": round(time.perf_counter() - t0, 1)}
+        s = summary[arm]
+        print(f"{arm:12s} cached {s['cached_tokens']:8d} ({s['cached_fraction']:.0%})  TTFT p50 {s['ttft_p50_s']:.2f} s "
+              f"p99 {s['ttft_p99_s']:.2f} s  balance {s['load_balance']:.2f} {s['requests_per_replica']}  "
+              f"route p50 {s['route_p50_ms']:.1f} ms  wall {s['wall_s']} s", flush=True)
+    goals = {}
+    if {"prefix", "sidecar", "round_robin"} <= summary.keys():
+        ratio = summary["sidecar"]["cached_tokens"] / max(1, summary["prefix"]["cached_tokens"])
+        balance = summary["sidecar"]["load_balance"] / summary["round_robin"]["load_balance"]
+        goals = {"cached_vs_prefix": round(ratio, 3), "cached_vs_prefix_goal": 1.3, "cached_met": ratio >= 1.3,
+                 "balance_vs_round_robin": round(balance, 3), "balance_goal": 1.1, "balance_met": balance <= 1.1}
+        print(f"sidecar / prefix cached tokens: {ratio:.2f}x (goal >= 1.3); balance vs round-robin {balance:.2f} (goal <= 1.10)")
+    if args.quick:
+        return
+    doc = {"machine": machine(), "model": setup.meta, "settings": {k: v for k, v in vars(args).items() if k != "quick"},
+           "agents": [{"trace": t, "requests": len(p)} for t, p in agents], "summary": summary, "goals": goals}
+    path = write_results("routing", doc)
+    plot(summary, path.with_suffix(".png"))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
