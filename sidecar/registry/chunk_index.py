@@ -128,25 +128,18 @@ class ChunkIndex:
 
     # ----------------------------------------------------------------------------- lookup
 
-    def lookup(self, q: LookupQuery, chunks: Chunks | None = None, *, touch: bool = True) -> LookupPlan:
+    def lookup(self, q: LookupQuery, chunks: Chunks | None = None) -> LookupPlan:
         """Plan ``q``. ``chunks``: ``self.chunk(q.tokens, q.identity, scopes)`` already computed
         for scopes ``(q.scope,)`` or ``(q.scope, "shared")`` (the shared registry's near-cache
         fill does this once for both). Compiled when the registry has its mirror and the kernel
-        can decide (module docstring), else ``lookup_reference``: the same plan either way.
-        ``touch=False``: the hits' recency is left as it was (a routing score of this sidecar's
-        own replica, ``sidecar.routing``)."""
+        can decide (module docstring), else ``lookup_reference``: the same plan either way."""
         table = self.registry.table
         if table is not None and not q.left_context_window and q.engine_prefix_len < len(q.tokens):
-            plan = self._lookup_compiled(q, chunks, table, touch)
+            plan = self._lookup_compiled(q, chunks, table)
             if plan is not None:
                 self.compiled_lookups += 1
                 return plan
         self.reference_lookups += 1
-        if not touch and not q.dry_run:
-            reg = self.registry
-            resident = EntryState.RESIDENT
-            return self.lookup_reference(q, chunks, view=lambda k: e if (e := reg.peek(k)) is not None
-                                         and e.state is resident else None)
         return self.lookup_reference(q, chunks)
 
     def _key_seeds(self, identity: CacheIdentity, scope: str, search_shared: bool) -> np.ndarray:
@@ -161,8 +154,7 @@ class ChunkIndex:
             self._seeds[(salt, scope, search_shared)] = seeds
         return seeds
 
-    def _lookup_compiled(self, q: LookupQuery, chunks: Chunks | None, table: EntryTable,
-                         touch: bool = True) -> LookupPlan | None:
+    def _lookup_compiled(self, q: LookupQuery, chunks: Chunks | None, table: EntryTable) -> LookupPlan | None:
         """``lookup_kernel.plan`` of ``q``, touches and counts applied; None: the kernel could not
         decide (nothing was changed)."""
         reg = self.registry
@@ -190,7 +182,7 @@ class ChunkIndex:
         r = lookup_kernel.HEADER + 7 * nrows
         t = r + nseg
         b = t + ntouch
-        if ntouch and touch:
+        if ntouch:
             reg.touch_many(out[t:b].tolist())
         if vfail:
             reg.stats.verify_failures += vfail
@@ -202,13 +194,15 @@ class ChunkIndex:
                           seed_tokens=seeded)
 
     def lookup_reference(self, q: LookupQuery, chunks: Chunks | None = None,
-                         view: Callable[[int], ChunkEntry | None] | None = None, *, seeds: bool = True) -> LookupPlan:
+                         view: Callable[[int], ChunkEntry | None] | None = None, *, seeds: bool = True,
+                         extend: bool = True) -> LookupPlan:
         """``lookup`` by the reference planner (Python, per chunk): the specification of the
         compiled one, and what plans when the kernel cannot.
 
         ``view``: plan over the entries ``view(key)`` returns instead of the registry's RESIDENT
         ones (None: not servable there): what one routing candidate holds
-        (``sidecar.routing.score``). Nothing is touched then. ``seeds=False``: no seed hits."""
+        (``sidecar.routing.score``). Nothing is touched then. ``seeds=False``: no seed hits;
+        ``extend=False``: hits are not extended into their stored neighbours."""
         n = len(q.tokens)
         epl = q.engine_prefix_len
         reg = self.registry
@@ -248,7 +242,7 @@ class ChunkIndex:
         serve_observed = q.dry_run or view is not None
         resident = EntryState.RESIDENT
         cfg = reg.config
-        extend = cfg.extend_hits
+        extend = cfg.extend_hits and extend
         # Phase 1: admitted chunk hits, one piece per prompt chunk (see ``shaping``), grouped
         # as they go: a chunk that continues the previous hit's stored sequence joins its group.
         groups: list[list[list]] = []

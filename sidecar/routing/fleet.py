@@ -19,7 +19,6 @@ score nor the work done to compute it.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +29,7 @@ from sidecar.registry.shared import SharedRegistry
 from sidecar.registry.shared_keys import beat_key, members_key, residency_keys
 from sidecar.routing.config import RoutingConfig
 from sidecar.routing.residency import Beat, Holding, Residency, decode_holding
-from sidecar.routing.score import Holdings, ReplicaScore, ScoreResult, own_tier, score_of
+from sidecar.routing.score import Holdings, ReplicaScore, ScoreResult, own_view, score_of
 
 
 class Fleet:
@@ -137,9 +136,8 @@ class Fleet:
         if len(self._copies) > 1 << 16:
             self._copies.clear()
         for c in candidates:
-            if c == self.replica:  # planned as its Lookup is, recency untouched
-                plan = index.lookup(dataclasses.replace(q, dry_run=False), chunks, touch=False)
-                tier_of = own_tier(reg.peek)
+            if c == self.replica:
+                view, tier_of = own_view(reg.peek)
             elif c in alive:
                 beat = alive[c]
                 same_tier = bool(shared.shared_tier) and beat.shared_tier == shared.shared_tier
@@ -147,11 +145,12 @@ class Fleet:
                 if not h:
                     scores.append(ReplicaScore(replica=c, prefill_tokens=n))
                     continue
-                plan = index.lookup_reference(q, chunks, view=h, seeds=False)
-                tier_of = h.tier
+                view, tier_of = h, h.tier
             else:
                 absent.append(c)
                 continue
+            # chunk hits only, the same estimate for every candidate (``sidecar.routing.score``)
+            plan = index.lookup_reference(q, chunks, view=view, seeds=False, extend=False)
             self.stats["planned"] += 1
             scores.append(score_of(plan, c, tier_of))
         self.stats["absent"] += len(absent)

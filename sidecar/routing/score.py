@@ -1,22 +1,23 @@
 """Scores: per candidate replica, what the Lookup planner would serve it from cache.
 
-A score is a Lookup plan, not a second planner: the Lookup planner runs once per candidate with
-the request's admission policy and guards (``LookupQuery``), and nothing is touched. The scoring
-sidecar's own replica is planned like its Lookup (the compiled planner over its registry); each
-peer by ``ChunkIndex.lookup_reference`` over a *view* of the entries, the chunks it holds::
+A score is a Lookup plan, not a second planner: ``ChunkIndex.lookup_reference`` runs once per
+candidate with the request's admission policy and guards (``LookupQuery``) over a *view* of the
+entries, the chunks that candidate holds, and nothing is touched::
 
-    candidate's view(key) = this sidecar's entry for the chunk (tokens, links, left context)
+    candidate's view(key) = this sidecar's entry for the chunk (tokens, left context)
                             re-positioned where THAT replica's copy was computed (its residency
-                            field: source_pos, prefix_digest), or None when it holds no copy
+                            field: source_pos, prefix_digest), or None when it holds no copy;
+                            the scoring sidecar's own replica: its RESIDENT entries
 
     plan ──> prefix (the leading exact run from position 0), exact, shifted, prefill tokens;
              tokens by the tier each hit is served from
 
-The own replica's score equals the plan its Lookup returns with ``engine_prefix_len`` 0. A peer's
-score can fall short of its own Lookup in two ways, never exceed it: the hit extension into
-stored neighbours whose tokens this sidecar has never seen (records carry a digest, not tokens),
-at most the neighbour chunk at each hit edge; and seed hits (text moved without a chunk cut of
-its own), which are not searched for peers (they would cost a seed-map probe per 32 tokens).
+A score counts chunk hits, with boundary repair and the guards applied, and the same way for
+every candidate, the scoring sidecar's own replica included, so candidates compare fairly. The
+Lookup that follows can serve more, never less: it also extends hits token by token into their
+stored neighbours and finds seed hits (text moved without a chunk cut of its own). Neither is
+scored: a peer's neighbours are known here by digest only (records carry no tokens), so only
+the own replica could be credited with them, and seeds cost a seed-map probe per 32 tokens.
 """
 
 from __future__ import annotations
@@ -113,14 +114,20 @@ class Holdings:
         return h.tier if h is not None else _REMOTE
 
 
-def own_tier(peek: Callable[[int], ChunkEntry | None]) -> Callable[[int], str]:
-    """The tier of the scoring sidecar's own copy of a chunk."""
+def own_view(peek: Callable[[int], ChunkEntry | None]) -> tuple[Callable[[int], ChunkEntry | None],
+                                                                Callable[[int], str]]:
+    """The scoring sidecar's own replica: its RESIDENT entries, at their tiers."""
+    resident = EntryState.RESIDENT
+
+    def view(key: int) -> ChunkEntry | None:
+        e = peek(key)
+        return e if e is not None and e.state is resident else None
 
     def tier(key: int) -> str:
         e = peek(key)
-        return (e.tier or _REMOTE) if e is not None and e.state is EntryState.RESIDENT else _REMOTE
+        return (e.tier or _REMOTE) if e is not None else _REMOTE
 
-    return tier
+    return view, tier
 
 
 def score_of(plan: LookupPlan, replica: str, tier_of: Callable[[int], str]) -> ReplicaScore:
