@@ -280,6 +280,8 @@ class SidecarServer:
                 if up:  # Redis may have come back without its data: publish the residency again
                     loop.call_soon_threadsafe(self.fleet.republish)
 
+        if self.fleet.residency is not None:
+            self.fleet.residency.on_lost = lambda: loop.call_soon_threadsafe(self.fleet.republish)
         up = await asyncio.to_thread(shared.start, on_health)
         await self._set_registry_health(up)
         logger.info("shared registry %s (sidecar id %s, shared tier %s)", "up" if up else "DOWN: degraded",

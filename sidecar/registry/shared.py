@@ -65,6 +65,7 @@ class ResidencyWriter(Protocol):
     def beat_due(self, now: float) -> bool: ...
     def beat(self, pipe: Any, now: float) -> None: ...
     def beat_failed(self) -> None: ...
+    def beat_answered(self, previous: Any, now: float) -> None: ...
     def leave(self, client: Any) -> None: ...
 
 
@@ -342,6 +343,18 @@ class SharedRegistry:
             batch.append((self.keys.chunk_keys(e.scope, (e.key,))[0], rec.encode(), rec.resident, e.scope))
         self._enqueue(batch)
 
+    def republish(self, entries: Iterable[ChunkEntry]) -> None:
+        """Queue records of ``entries`` again, each written only where Redis has none (loop
+        thread): after Redis came back without its data."""
+        owner = self.sidecar_id
+        ctx = self.config.share_left_context
+        remote = Tier.REMOTE.value
+        batch = []
+        for e in entries:
+            rec = SharedRecord.of(e, owner, self.shared_tier if e.tier == remote else "", ctx)
+            batch.append((self.keys.chunk_keys(e.scope, (e.key,))[0], rec.encode(), False, e.scope))
+        self._enqueue(batch)
+
     def unpublish(self, entries: Iterable[tuple[int, str]]) -> None:
         """Queue deletions of ``(chunk key, scope)`` records (operator Delete)."""
         self._enqueue([(self.keys.chunk_keys(scope, (k,))[0], None, False, scope) for k, scope in entries])
@@ -406,6 +419,7 @@ class SharedRegistry:
                 if ops:
                     res.write(pipe, ops)
                 if beat:
+                    beat_at = len(pipe)
                     res.beat(pipe, now)
                 if probe:
                     pipe.get(self.keys.count_key(SHARED_SCOPE))
@@ -436,6 +450,8 @@ class SharedRegistry:
                 self._set_up(False, "publish", exc)
                 return
             self.stats.published += sum(1 for b in batch if b[1] is not None)
+            if beat:
+                res.beat_answered(results[beat_at], now)
             beat = False
             if probe:
                 self.shared_nonempty = SHARED_SCOPE in new or bool(int(results[-1] or 0))

@@ -59,17 +59,17 @@ class Fleet:
         return self.residency.identities() if self.residency is not None else ()
 
     def republish(self) -> int:
-        """Queue this replica's whole residency again (loop thread; O(entries)): after Redis came
-        back without its data. Returns the chunks queued."""
+        """Queue this replica's whole residency again, with the records of its chunks (written
+        only where missing), loop thread, O(entries): after Redis came back without its data.
+        Returns the chunks queued."""
         res = self.residency
-        if res is None:
+        if res is None or self.shared is None:
             return 0
-        n = 0
-        for e in self.index.registry.entries():
-            if e.state is EntryState.RESIDENT:
-                res.changed(e, None, None, False)
-                n += 1
-        return n
+        held = [e for e in self.index.registry.entries() if e.state is EntryState.RESIDENT]
+        self.shared.republish(held)
+        for e in held:
+            res.changed(e, None, None, False)
+        return len(held)
 
     # ------------------------------------------------------------------ members
 

@@ -29,7 +29,7 @@ import random
 import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -117,7 +117,11 @@ class Residency:
         self._lock = threading.Lock()
         self._identities: dict[CacheIdentity, None] = {}
         self._beat_at = 0.0
+        self._beat_ok_at = 0.0
         self.written = 0  # fields set or deleted (counter)
+        #: called (flusher thread) when Redis lost this replica's heartbeat within its TTL: Redis
+        #: restarted without its data, unnoticed (redis-py reconnects a dead connection quietly)
+        self.on_lost: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ loop thread
 
@@ -189,9 +193,17 @@ class Residency:
     def beat(self, pipe: Any, now: float) -> None:
         """Queue this replica's heartbeat on a pipeline."""
         beat = Beat(self.incarnation, self.shared_tier, self.identities())
-        pipe.set(beat_key(self.keys, self.replica), beat.encode(), px=int(self.ttl_s * 1000))
+        pipe.set(beat_key(self.keys, self.replica), beat.encode(), px=int(self.ttl_s * 1000), get=True)
         pipe.sadd(members_key(self.keys), self.field)
         self._beat_at = now
+
+    def beat_answered(self, previous: bytes | None, now: float) -> None:
+        """The beat was written; ``previous`` is what the key held. Nothing, although the last
+        beat was written within the TTL: Redis lost its data (``on_lost``)."""
+        lost = previous is None and self._beat_ok_at and now - self._beat_ok_at < 0.9 * self.ttl_s
+        self._beat_ok_at = now
+        if lost and self.on_lost is not None:
+            self.on_lost()
 
     def beat_failed(self) -> None:
         """The pipeline carrying the last beat failed: beat again at the next flush."""
