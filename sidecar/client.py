@@ -51,6 +51,8 @@ from sidecar.sdk import (
     WarmUpResult,
     WatchedEvent,
 )
+from sidecar.routing.score import ReplicaScore, ScoreResult
+from sidecar.sdk.router import Route, Router, RouterConfig  # the reference router (docs/routing.md)
 from sidecar.sdk.policy import (  # the Policy SDK: message-list rewrites -> directives
     EditPolicy,
     MessageDiff,
@@ -78,8 +80,13 @@ __all__ = [
     "Policy",
     "RegistryCounters",
     "Renderer",
+    "ReplicaScore",
     "ReportPoolResult",
     "RetryPolicy",
+    "Route",
+    "Router",
+    "RouterConfig",
+    "ScoreResult",
     "SessionId",
     "SessionState",
     "SidecarClient",
