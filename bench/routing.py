@@ -1,6 +1,6 @@
 """KV-aware routing across a fleet: round-robin vs prefix-only affinity vs the sidecar's score.
 
-    ./dev bench routing            # ~15 minutes on 2 cores; --quick for a smoke run
+    ./dev bench routing            # ~12 minutes on 2 cores; --quick for a smoke run
 
 The fleet: three replicas, each a reference engine (``clients.transformers.Engine``, its own
 exact-prefix cache, Lookup -> Fetch -> prefill -> Store through its own sidecar) served by one
@@ -12,28 +12,34 @@ The traffic: the real agent traces (bench/data/agent_traces: mini-SWE-agent and 
 one trajectory per agent, replayed call by call with the truncation policy applied (tool outputs
 older than two turns cut to a head/tail stub, ``TruncateOldToolOutputs``) and a per-agent header
 message first: the agent's name and session, and the time of the request, which changes every
-call (as agent harnesses stamp their system prompts). Agents run concurrently, closed loop (the
-next call when the previous answered), so their requests interleave on the fleet.
+call (as agent harnesses stamp their prompts). Twelve agents run concurrently; between two calls
+an agent runs the tool its answer called (``--think-s``, 0.5-2 s), so their requests interleave
+on the fleet.
 
-Arms (the router picks a replica per request; the engines are the same in every arm):
+Arms (the router picks a replica per request; the engines are the same in the first three):
 
     round_robin   replicas in turn
     prefix        prefix-only affinity, as Dynamo's KV router and llm-d's indexer score: the
                   longest exact-prefix block match (16-token blocks) against what each engine's
-                  own prefix cache holds (an exact index of its "KV events": every prompt it
-                  served, nothing evicted), among replicas within the load bound
+                  own prefix cache holds (read after every request, evictions included: what its
+                  KV events would report), among replicas within the load bound
     sidecar       the reference router (``sidecar.sdk.router.Router``): the sidecar fleet's Score
                   (position-independent: engine prefix, exact and shifted hits), same load bound
     prefix_apc    the peer deployment: prefix-only routing as above, engines with their own
                   exact-prefix cache only (vLLM APC behind Dynamo or llm-d), no sidecar
 
-Both affinity arms use ``pick`` with the same bound (``--load-slack``: in-flight requests at most
-that many above the least loaded replica) and fall back to the least loaded replica when no score
-reaches ``--min-saved`` tokens. Measured per arm: fleet-wide prompt tokens served from cache
-(the engine's own prefix + the sidecar's exact and shifted hits, as the engine loaded them),
-TTFT p50 / p99 (from the routing decision to the first token: routing, queueing, Lookup, Fetch,
-prefill), and load balance (max / mean requests per replica). Goal: the sidecar arm serves
->= 1.3x the cached tokens of the prefix arm at a balance within 10% of round-robin's.
+Both affinity arms run the reference router with the same load bound (``--load-slack``: a replica
+at most that many requests above the least loaded one, counting the requests routed to each in
+the last ``--load-window-s`` seconds) and fall back to the least loaded replica when no score
+reaches ``--min-saved`` tokens; they differ only in the scores. The arms run once per cache size (``--caches``): ``ample`` holds
+every agent's history on every replica; ``bound`` (48 MiB per replica, about 24K tokens of this
+model's KV, for the sidecar's CPU tier and for the engine's own cache) holds about a third of the
+fleet's working set per replica, as a GPU fleet's KV capacity does under agent load. Measured per
+arm: fleet-wide prompt tokens served from cache (the engine's own prefix + the sidecar's exact
+and shifted hits, as the engine loaded them), TTFT p50 / p99 (from the routing decision to the
+first token: routing, queueing, Lookup, Fetch, prefill), and load balance (max / mean requests
+per replica). Goal: the sidecar arm serves >= 1.3x the cached tokens of prefix-only routing on
+the edited histories at a balance within 10% of round-robin's.
 
 Model: the random-weight Llama-shaped model of ``bench.ttft --model random`` (``--layers`` x
 ``--hidden``) with the offline hash tokenizer: real forward passes, sized for 2 cores.
@@ -43,6 +49,7 @@ Results: bench/results/routing.json and routing.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import queue
 import threading
 import time
@@ -96,11 +103,13 @@ def agent_prompts(template, *, agents: int, turns: int, max_tokens: int, seed: i
 
 
 class Replica:
-    """One engine behind a queue, served by one thread."""
+    """One engine behind a queue, served by one thread; after each request the prompts its own
+    prefix cache holds go to ``index`` (what the engine's KV events would report)."""
 
-    def __init__(self, name: str, engine) -> None:
+    def __init__(self, name: str, engine, index: PrefixIndex) -> None:
         self.name = name
         self.engine = engine
+        self.index = index
         self.jobs: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._serve, name=f"engine-{name}", daemon=True)
         self.thread.start()
@@ -119,6 +128,7 @@ class Replica:
             try:
                 t0 = time.perf_counter()
                 res = self.engine.prefill(tokens)
+                self.index.update(self.name, self.engine.prefix_cache)
                 fut.set_result((t0, res))
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting agent
                 fut.set_exception(exc)
@@ -129,16 +139,18 @@ class Replica:
 
 
 class PrefixIndex:
-    """What each engine's prefix cache holds (every prompt it served): the exact-prefix match
-    Dynamo's and llm-d's routers compute from engine KV events, in whole blocks."""
+    """What each engine's own prefix cache holds (its entries, evictions included, read after each
+    request): the exact-prefix block match Dynamo's and llm-d's routers compute from engine KV
+    events."""
 
     def __init__(self) -> None:
         self.seqs: dict[str, list[np.ndarray]] = {r: [] for r in REPLICAS}
         self.lock = threading.Lock()
 
-    def add(self, replica: str, tokens: np.ndarray) -> None:
+    def update(self, replica: str, cache) -> None:
+        seqs = [e.tokens for e in list(cache._entries.values())]
         with self.lock:
-            self.seqs[replica].append(tokens)
+            self.seqs[replica] = seqs
 
     def match(self, tokens: np.ndarray) -> dict[str, int]:
         with self.lock:
@@ -152,6 +164,21 @@ class PrefixIndex:
                 best = max(best, int(diff[0]) if len(diff) else m)
             out[r] = min(best, len(tokens) - 1) // BLOCK * BLOCK
         return out
+
+
+class PrefixScorer:
+    """``Score`` as an exact-prefix router computes it, from ``PrefixIndex`` (for ``Router``)."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+
+    def score(self, tokens: np.ndarray, identity, candidates, **_guards):
+        from sidecar.client import ReplicaScore, ScoreResult
+
+        m = self.index.match(tokens)
+        n = len(tokens)
+        return ScoreResult(total_tokens=n, absent=[], scores=[
+            ReplicaScore(replica=r, prefix_tokens=m[r], prefill_tokens=n - m[r]) for r in candidates])
 
 
 @dataclass
@@ -177,10 +204,10 @@ class Record:
         return self.prefix + self.exact + self.shifted
 
 
-def run_arm(arm: str, model, weights_hash: str, template, agents, args, latency: dict) -> list[Record]:
+def run_arm(arm: str, model, weights_hash: str, template, agents, args, cache_mib: int, latency: dict) -> list[Record]:
     from clients.transformers import EXACT_PREFIX, SIDECAR, Engine, PrefixCache
     from sidecar.client import SyncSidecarClient
-    from sidecar.sdk.router import Router, RouterConfig, pick
+    from sidecar.client import Route, Router, RouterConfig
 
     records: list[Record] = []
     with ExitStack() as stack:
@@ -188,10 +215,11 @@ def run_arm(arm: str, model, weights_hash: str, template, agents, args, latency:
         key_prefix = f"route{uuid.uuid4().hex[:8]}"
         anchors = ",".join(str(a) for a in template.anchor_token_ids)
         replicas: dict[str, Replica] = {}
+        index = PrefixIndex()
         scorer = None
         for name in REPLICAS:
             target = stack.enter_context(sidecar_process(
-                "--set", f"chunker.anchor_tokens=[{anchors}]", "--set", f"store.cpu_bytes={args.cpu_gib << 30}",
+                "--set", f"chunker.anchor_tokens=[{anchors}]", "--set", f"store.cpu_bytes={cache_mib << 20}",
                 "--set", f"shared_registry.redis_url={url}", "--set", f"shared_registry.key_prefix={key_prefix}",
                 "--set", "shared_registry.publish_interval_s=0.01", "--set", f"routing.replica_id={name}",
                 "--set", f"store.namespace={key_prefix}{name}", "--set", "max_prompt_tokens=262144",
@@ -199,60 +227,36 @@ def run_arm(arm: str, model, weights_hash: str, template, agents, args, latency:
             client = stack.enter_context(SyncSidecarClient(target, tenant="fleet"))
             engine = Engine(model, sidecar=client, namespace="routing", weights_hash=weights_hash,
                             reuse=EXACT_PREFIX if arm in APC_ONLY else SIDECAR,
-                            prefix_cache=PrefixCache(capacity_bytes=args.prefix_cache_gib << 30))
-            replicas[name] = Replica(name, engine)
+                            prefix_cache=PrefixCache(capacity_bytes=cache_mib << 20))
+            replicas[name] = Replica(name, engine, index)
             stack.callback(replicas[name].stop)
             if scorer is None:
                 scorer = stack.enter_context(SyncSidecarClient(target, tenant="fleet", timeout_s=2.0))
         identity = replicas[REPLICAS[0]].engine.identity
-        cfg = RouterConfig(load_slack=args.load_slack, min_saved_tokens=args.min_saved)
-        router = Router(scorer, list(REPLICAS), cfg)
-        index = PrefixIndex()
-        load = dict.fromkeys(REPLICAS, 0)
-        lock = threading.Lock()
-        turn_counter = iter(range(1 << 30))
-
-        def route(tokens: np.ndarray) -> tuple[str, int]:
-            with lock:
-                snapshot = dict(load)
-                k = next(turn_counter)
-            if arm == "round_robin":
-                return REPLICAS[k % len(REPLICAS)], 0
-            if arm in ("prefix", "prefix_apc"):
-                saved = index.match(tokens)
-                r = pick(list(REPLICAS), saved, snapshot, load_slack=cfg.load_slack,
-                         min_saved_tokens=cfg.min_saved_tokens, start=k)
-                return r, saved[r]
-            chosen = router.route(tokens, identity)
-            return chosen.replica, chosen.saved_tokens
+        cfg = RouterConfig(load_slack=args.load_slack, load_window_s=args.load_window_s,
+                           min_saved_tokens=args.min_saved)
+        # both affinity arms run the reference router: the same load figures and rule, only the
+        # scores differ (the sidecar fleet's Score, or the engines' exact-prefix block match)
+        router = Router(scorer if arm == "sidecar" else PrefixScorer(index), list(REPLICAS), cfg)
+        turn = iter(range(1 << 30))
 
         def agent(i: int, trace: str, prompts: list[np.ndarray]) -> None:
+            think = np.random.default_rng((args.seed, i))
             for t, tokens in enumerate(prompts):
+                if t:  # the agent runs the tool its previous answer called
+                    time.sleep(think.uniform(*args.think_s))
                 t_start = time.perf_counter()
-                if arm == "sidecar":
-                    # the reference router counts the request in flight itself
-                    ctx = router.request(tokens, identity)
-                    chosen = ctx.__enter__()
-                    replica, predicted = chosen.replica, chosen.saved_tokens
+                if arm == "round_robin":
+                    ctx = contextlib.nullcontext(Route(replica=REPLICAS[next(turn) % len(REPLICAS)], saved_tokens=0))
                 else:
-                    ctx = None
-                    replica, predicted = route(tokens)
-                    with lock:
-                        load[replica] += 1
-                t_routed = time.perf_counter()
-                try:
-                    t0, res = replicas[replica].submit(tokens).result()
-                finally:
-                    if ctx is not None:
-                        ctx.__exit__(None, None, None)
-                    else:
-                        with lock:
-                            load[replica] -= 1
-                index.add(replica, tokens)
+                    ctx = router.request(tokens, identity)
+                with ctx as route:
+                    t_routed = time.perf_counter()
+                    t0, res = replicas[route.replica].submit(tokens).result()
                 records.append(Record(
-                    arm=arm, agent=i, trace=trace, turn=t, replica=replica, tokens=len(tokens),
+                    arm=arm, agent=i, trace=trace, turn=t, replica=route.replica, tokens=len(tokens),
                     prefix=res.prefix_tokens, exact=res.exact_tokens, shifted=res.shifted_tokens,
-                    prefill=res.prefill_tokens, predicted=predicted,
+                    prefill=res.prefill_tokens, predicted=route.saved_tokens,
                     ttft_s=t0 + res.timings.ttft_s - t_start, route_s=t_routed - t_start, queue_s=t0 - t_routed,
                     fetch_misses=res.fetch_misses,
                 ))
@@ -263,7 +267,7 @@ def run_arm(arm: str, model, weights_hash: str, template, agents, args, latency:
             th.start()
         for th in threads:
             th.join()
-        if arm == "sidecar":
+        if arm == "sidecar" and not latency:
             latency.update(idle_latency(scorer, identity, [p[-1] for _, p in agents if p]))
     return records
 
@@ -350,37 +354,39 @@ def goals_of(summary: dict) -> dict:
     return out
 
 
-def plot(summary: dict, path) -> None:
+def plot(configs: dict, path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    arms = [a for a in ARMS if a in summary]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
     colors = {"round_robin": "#999", "prefix": "#69c", "sidecar": "#d62", "prefix_apc": "#ccc"}
-    traces = sorted(summary[arms[0]]["by_trace"])
-    bottom = np.zeros(len(arms))
-    for j, trace in enumerate(traces):
-        vals = np.array([summary[a]["by_trace"][trace]["cached_tokens"] / 1e3 for a in arms])
-        axes[0].bar(arms, vals, bottom=bottom, color=[colors.get(a, "#888") for a in arms],
-                    hatch="//" if j else None, edgecolor="white", label=trace)
-        bottom += vals
-    axes[0].set_title("tokens served from cache (K; hatched: " + ", ".join(traces[1:]) + ")")
-    axes[0].tick_params(axis="x", labelsize=8)
-    x = np.arange(len(arms))
-    axes[1].bar(x - 0.2, [summary[a]["ttft_p50_s"] for a in arms], 0.4, label="p50")
-    axes[1].bar(x + 0.2, [summary[a]["ttft_p99_s"] for a in arms], 0.4, label="p99")
-    axes[1].set_xticks(x, arms, fontsize=8)
-    axes[1].set_title("TTFT (s)")
-    axes[1].legend()
-    axes[2].bar(arms, [summary[a]["load_balance"] for a in arms], color="#888")
-    axes[2].tick_params(axis="x", labelsize=8)
-    axes[2].set_ylim(1.0, max(1.5, max(summary[a]["load_balance"] for a in arms) + 0.1))
-    axes[2].set_title("load balance (max / mean requests)")
-    fig.suptitle("3 replicas, agents replaying real traces (truncation policy, per-call header)")
+    fig, grid = plt.subplots(len(configs), 3, figsize=(12, 3.4 * len(configs)), squeeze=False)
+    for axes, (name, conf) in zip(grid, configs.items()):
+        summary = conf["arms"]
+        arms = [a for a in ARMS if a in summary]
+        traces = sorted(summary[arms[0]]["by_trace"])
+        bottom = np.zeros(len(arms))
+        for j, trace in enumerate(traces):
+            vals = np.array([summary[a]["by_trace"][trace]["cached_tokens"] / 1e3 for a in arms])
+            axes[0].bar(arms, vals, bottom=bottom, color=[colors.get(a, "#888") for a in arms],
+                        hatch="//" if j else None, edgecolor="white")
+            bottom += vals
+        axes[0].set_title(f"{name}: tokens from cache (K; hatched: {', '.join(traces[1:])})", fontsize=9)
+        x = np.arange(len(arms))
+        axes[1].bar(x - 0.2, [summary[a]["ttft_p50_s"] for a in arms], 0.4, label="p50")
+        axes[1].bar(x + 0.2, [summary[a]["ttft_p99_s"] for a in arms], 0.4, label="p99")
+        axes[1].set_xticks(x, arms)
+        axes[1].set_title(f"{name}: TTFT (s)", fontsize=9)
+        axes[1].legend(fontsize=8)
+        axes[2].bar(arms, [summary[a]["load_balance"] for a in arms], color="#888")
+        axes[2].set_ylim(1.0, max(1.3, max(summary[a]["load_balance"] for a in arms) + 0.05))
+        axes[2].set_title(f"{name}: load balance (max / mean requests)", fontsize=9)
+        for ax in axes:
+            ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle("3 replicas, 12 agents replaying real traces (truncation policy, a header stamped per call)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -389,19 +395,25 @@ def main() -> None:
     ap.add_argument("--agents", type=int, default=12)
     ap.add_argument("--turns", type=int, default=12, help="calls per agent (at most)")
     ap.add_argument("--max-tokens", type=int, default=6144, help="an agent stops before a longer prompt")
+    ap.add_argument("--think-s", default="0.5,2.0", help="tool time between an agent's calls: uniform LO,HI seconds")
+    ap.add_argument("--caches", default="ample:1024,bound:48",
+                    help="NAME:MIB,... one run of the arms per entry: each replica's cache (the sidecar's CPU "
+                         "tier and the engine's own prefix cache, MiB each)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (shared by the three engines)")
     ap.add_argument("--load-slack", type=int, default=2)
+    ap.add_argument("--load-window-s", type=float, default=10.0,
+                    help="the routers' load: requests routed to a replica in the last N seconds (0: in flight)")
     ap.add_argument("--min-saved", type=int, default=64)
-    ap.add_argument("--cpu-gib", type=int, default=1, help="each sidecar's CPU tier")
-    ap.add_argument("--prefix-cache-gib", type=int, default=4, help="each engine's own prefix cache")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="4 agents x 4 calls (smoke run; results not written)")
     args = ap.parse_args()
     if args.quick:
         args.agents, args.turns = 4, 4
+    args.think_s = tuple(float(x) for x in args.think_s.split(","))
+    caches = [(c.split(":")[0], int(c.split(":")[1])) for c in args.caches.split(",")]
     args.device = "cpu"
     import torch
 
@@ -415,32 +427,38 @@ def main() -> None:
     agents = agent_prompts(template, agents=args.agents, turns=args.turns, max_tokens=args.max_tokens, seed=args.seed)
     n_req = sum(len(p) for _, p in agents)
     print(f"{len(agents)} agents, {n_req} requests, {sum(len(t) for _, p in agents for t in p)} prompt tokens per arm")
-    summary, latency = {}, {}
-    for arm in args.arms.split(","):
-        t0 = time.perf_counter()
-        recs = run_arm(arm, model, wh, template, agents, args, latency)
-        summary[arm] = {**summarize(recs), "wall_s": round(time.perf_counter() - t0, 1)}
-        s = summary[arm]
-        print(f"{arm:12s} cached {s['cached_tokens']:8d} ({s['cached_fraction']:.0%})  TTFT p50 {s['ttft_p50_s']:.2f} s "
-              f"p99 {s['ttft_p99_s']:.2f} s  balance {s['load_balance']:.2f} {s['requests_per_replica']}  "
-              f"route p50 {s['route_p50_ms']:.1f} ms  same replica {s['same_replica_as_previous_call']:.0%}  "
-              f"wall {s['wall_s']} s", flush=True)
-        for trace, t in s["by_trace"].items():
-            print(f"{'':12s}   {trace}: cached {t['cached_tokens']} of {t['prompt_tokens']} "
-                  f"({t['cached_tokens'] / max(1, t['prompt_tokens']):.0%}), TTFT p50 {t['ttft_p50_s']:.2f} s", flush=True)
+    configs, latency = {}, {}
+    for name, mib in caches:
+        summary = {}
+        for arm in args.arms.split(","):
+            t0 = time.perf_counter()
+            recs = run_arm(arm, model, wh, template, agents, args, mib, latency)
+            summary[arm] = {**summarize(recs), "wall_s": round(time.perf_counter() - t0, 1)}
+            report(f"{name}/{arm}", summary[arm])
+        configs[name] = {"cache_mib": mib, "arms": summary, "goals": goals_of(summary)}
+        for k, v in configs[name]["goals"].items():
+            print(f"  {name} {k}: {v}")
     if latency:
         print(f"idle fleet: {latency}")
-    goals = goals_of(summary)
-    for k, v in goals.items():
-        print(f"  {k}: {v}")
     if args.quick:
         return
-    doc = {"machine": machine(), "model": setup.meta, "settings": {k: v for k, v in vars(args).items() if k != "quick"},
-           "agents": [{"trace": t, "requests": len(p)} for t, p in agents], "summary": summary, "goals": goals,
+    settings = {k: v for k, v in vars(args).items() if k not in ("quick", "device")}
+    doc = {"machine": machine(), "model": setup.meta, "settings": settings,
+           "agents": [{"trace": t, "requests": len(p)} for t, p in agents], "configs": configs,
            "idle_latency": latency}
     path = write_results("routing", doc)
-    plot(summary, path.with_suffix(".png"))
+    plot(configs, path.with_suffix(".png"))
     print(f"wrote {path}")
+
+
+def report(label: str, s: dict) -> None:
+    print(f"{label:20s} cached {s['cached_tokens']:7d} ({s['cached_fraction']:.0%})  TTFT p50 {s['ttft_p50_s']:.2f} s "
+          f"p99 {s['ttft_p99_s']:.2f} s  balance {s['load_balance']:.2f} {s['requests_per_replica']}  "
+          f"route p50 {s['route_p50_ms']:.1f} ms  same replica {s['same_replica_as_previous_call']:.0%}  "
+          f"wall {s['wall_s']} s", flush=True)
+    for trace, t in s["by_trace"].items():
+        print(f"{'':20s}   {trace}: cached {t['cached_tokens']} of {t['prompt_tokens']} "
+              f"({t['cached_tokens'] / max(1, t['prompt_tokens']):.0%}), TTFT p50 {t['ttft_p50_s']:.2f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,19 +9,25 @@ among the replicas whose load is within a bound (docs/routing.md, "Reference rou
 ``pick`` is the rule, transport-free (an asyncio proxy calls it with ``SidecarClient.score``'s
 answer and its own load figures):
 
-    eligible = replicas whose in-flight requests <= the least loaded one's + load_slack
+    eligible = replicas whose load <= the least loaded one's + load_slack, where a replica's load
+               is its requests in flight through this router, or, with load_window_s, the
+               requests it routed there in the last load_window_s seconds
     choose   = the eligible replica with the most saved prefill tokens (``ReplicaScore``), when
                that is at least min_saved_tokens; else, or on a tie, the least loaded one; then
                round-robin order
 
 ``load_slack`` trades reuse for balance: 0 is pure least-loaded with cache as the tie-break; a
-large value is pure cache affinity. A Score that fails (sidecar unreachable) routes by load.
+large value is pure cache affinity. Requests in flight balance concurrency; agents that think
+between calls keep few in flight, so ``load_window_s`` (a recent request count) is what keeps
+their request rates balanced. A Score that fails (sidecar unreachable) routes by load.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,16 +40,19 @@ from sidecar.routing.score import ReplicaScore
 
 @dataclass(frozen=True, kw_only=True)
 class RouterConfig:
-    """``load_slack``: how many more requests in flight than the least loaded replica an eligible
-    replica may have. ``min_saved_tokens``: a best score below this routes by load alone. (The
-    Score call's deadline is the client's ``timeout_s``: give the router's client a short one.)"""
+    """``load_slack``: how much more load than the least loaded replica an eligible replica may
+    have. ``load_window_s``: 0 counts a replica's requests in flight as its load; > 0 counts the
+    requests routed to it in that many last seconds. ``min_saved_tokens``: a best score below
+    this routes by load alone. (The Score call's deadline is the client's ``timeout_s``: give the
+    router's client a short one.)"""
 
     load_slack: int = 2
+    load_window_s: float = 0.0
     min_saved_tokens: int = 64
 
     def __post_init__(self) -> None:
-        if self.load_slack < 0 or self.min_saved_tokens < 0:
-            raise ValueError("router: load_slack and min_saved_tokens must be >= 0")
+        if self.load_slack < 0 or self.min_saved_tokens < 0 or self.load_window_s < 0:
+            raise ValueError("router: load_slack, load_window_s and min_saved_tokens must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +93,25 @@ class Router:
         self.replicas = list(replicas)
         self.config = config
         self._load = dict.fromkeys(self.replicas, 0)
+        self._recent: deque[tuple[float, str]] = deque()
         self._lock = threading.Lock()
         self._turn = itertools.count()
 
     @property
     def load(self) -> dict[str, int]:
+        """Each replica's load as ``pick`` sees it (``RouterConfig.load_window_s``)."""
+        window = self.config.load_window_s
         with self._lock:
-            return dict(self._load)
+            if not window:
+                return dict(self._load)
+            recent = self._recent
+            horizon = time.monotonic() - window
+            while recent and recent[0][0] < horizon:
+                recent.popleft()
+            out = dict.fromkeys(self.replicas, 0)
+            for _, r in recent:
+                out[r] += 1
+            return out
 
     def route(self, tokens: Any, identity: CacheIdentity, **guards: Any) -> Route:
         """Score ``tokens`` on every replica and pick one (not counted in flight: ``request``)."""
@@ -101,8 +122,7 @@ class Router:
         except SidecarError:
             scores = {}
         saved = {r: s.saved_tokens for r, s in scores.items()}
-        with self._lock:
-            load = dict(self._load)
+        load = self.load
         # absent replicas (no live heartbeat) are only chosen when nothing else is left
         order = [r for r in self.replicas if not scores or r in scores] or self.replicas
         replica = pick(order, saved, load, load_slack=cfg.load_slack, min_saved_tokens=cfg.min_saved_tokens,
@@ -116,6 +136,8 @@ class Router:
         route = self.route(tokens, identity, **guards)
         with self._lock:
             self._load[route.replica] += 1
+            if self.config.load_window_s:
+                self._recent.append((time.monotonic(), route.replica))
         try:
             yield route
         finally:
