@@ -31,11 +31,18 @@ Arms (the router picks a replica per request; the engines are the same in the fi
 Both affinity arms run the reference router with the same load bound (``--load-slack``: a replica
 at most that many requests above the least loaded one, counting the requests routed to each in
 the last ``--load-window-s`` seconds) and fall back to the least loaded replica when no score
-reaches ``--min-saved`` tokens; they differ only in the scores. The arms run once per cache size (``--caches``): ``ample`` holds
-every agent's history on every replica; ``bound`` (48 MiB per replica, about 24K tokens of this
-model's KV, for the sidecar's CPU tier and for the engine's own cache) holds about a third of the
-fleet's working set per replica, as a GPU fleet's KV capacity does under agent load. Measured per
-arm: fleet-wide prompt tokens served from cache (the engine's own prefix + the sidecar's exact
+reaches ``--min-saved`` tokens; they differ only in the scores.
+
+The arms run once per cache size (``--caches``, MiB per replica, for the sidecar's CPU tier and
+for the engine's own prefix cache; this model's KV is 2 KiB a token): at 1024 MiB every replica
+can hold every agent's history; the fleet's working set (the distinct blocks of every prompt:
+the agents' histories, the traces' shared system prompts and tools) is about 130 MiB, so at 64,
+32 and 16 MiB a replica holds a half, a quarter and an eighth of it: the regime of a GPU
+fleet's KV capacity under agent load, where a request lands decides what is still cached
+(the run prints and records the working set it
+measured). The peer-deployment arm runs at the first size only.
+
+Measured per arm: fleet-wide prompt tokens served from cache (the engine's own prefix + the sidecar's exact
 and shifted hits, as the engine loaded them), TTFT p50 / p99 (from the routing decision to the
 first token: routing, queueing, Lookup, Fetch, prefill), and load balance (max / mean requests
 per replica). Goal: the sidecar arm serves >= 1.3x the cached tokens of prefix-only routing on
@@ -297,6 +304,24 @@ def idle_latency(client, identity, prompts: list[np.ndarray], reps: int = 60) ->
 # ----------------------------------------------------------------------------- report
 
 
+def working_set_tokens(agents, template) -> int:
+    """Distinct blocks over every prompt of every agent, in tokens: what the fleet must hold to
+    serve every call from cache once (blocks start at the template's block openers: messages,
+    the tool schemas, each tool call and result)."""
+    openers = np.asarray(template.anchor_token_ids, dtype=np.uint32)
+    seen: set[bytes] = set()
+    total = 0
+    for _, prompts in agents:
+        for p in prompts:
+            cuts = [*np.flatnonzero(np.isin(p, openers)).tolist(), len(p)]
+            for a, b in zip(cuts, cuts[1:]):
+                block = p[a:b].tobytes()
+                if block not in seen:
+                    seen.add(block)
+                    total += b - a
+    return total
+
+
 def summarize(records: list[Record]) -> dict:
     ttft = np.array([r.ttft_s for r in records])
     per = {name: sum(1 for r in records if r.replica == name) for name in REPLICAS}
@@ -396,9 +421,9 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=12, help="calls per agent (at most)")
     ap.add_argument("--max-tokens", type=int, default=6144, help="an agent stops before a longer prompt")
     ap.add_argument("--think-s", default="0.5,2.0", help="tool time between an agent's calls: uniform LO,HI seconds")
-    ap.add_argument("--caches", default="ample:1024,bound:48",
-                    help="NAME:MIB,... one run of the arms per entry: each replica's cache (the sidecar's CPU "
-                         "tier and the engine's own prefix cache, MiB each)")
+    ap.add_argument("--caches", default="1024,64,32,16",
+                    help="MIB,... one run of the arms per size: each replica's cache (the sidecar's CPU tier and "
+                         "the engine's own prefix cache, MiB each); the peer-deployment arm runs at the first only")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (shared by the three engines)")
@@ -413,7 +438,7 @@ def main() -> None:
     if args.quick:
         args.agents, args.turns = 4, 4
     args.think_s = tuple(float(x) for x in args.think_s.split(","))
-    caches = [(c.split(":")[0], int(c.split(":")[1])) for c in args.caches.split(",")]
+    caches = [(f"{int(c)}MiB", int(c)) for c in args.caches.split(",")]
     args.device = "cpu"
     import torch
 
@@ -426,11 +451,18 @@ def main() -> None:
     wh = weights_fingerprint(model)
     agents = agent_prompts(template, agents=args.agents, turns=args.turns, max_tokens=args.max_tokens, seed=args.seed)
     n_req = sum(len(p) for _, p in agents)
-    print(f"{len(agents)} agents, {n_req} requests, {sum(len(t) for _, p in agents for t in p)} prompt tokens per arm")
+    ws = working_set_tokens(agents, template)
+    kv_per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * (
+        model.config.hidden_size // model.config.num_attention_heads) * 4
+    working_set = {"tokens": ws, "mib": round(ws * kv_per_token / (1 << 20), 1), "kv_bytes_per_token": kv_per_token}
+    print(f"{len(agents)} agents, {n_req} requests, {sum(len(t) for _, p in agents for t in p)} prompt tokens per arm; "
+          f"working set {ws} tokens ({working_set['mib']} MiB of KV)")
     configs, latency = {}, {}
-    for name, mib in caches:
+    for k, (name, mib) in enumerate(caches):
         summary = {}
         for arm in args.arms.split(","):
+            if arm in APC_ONLY and k:
+                continue
             t0 = time.perf_counter()
             recs = run_arm(arm, model, wh, template, agents, args, mib, latency)
             summary[arm] = {**summarize(recs), "wall_s": round(time.perf_counter() - t0, 1)}
@@ -444,7 +476,8 @@ def main() -> None:
         return
     settings = {k: v for k, v in vars(args).items() if k not in ("quick", "device")}
     doc = {"machine": machine(), "model": setup.meta, "settings": settings,
-           "agents": [{"trace": t, "requests": len(p)} for t, p in agents], "configs": configs,
+           "agents": [{"trace": t, "requests": len(p)} for t, p in agents], "working_set": working_set,
+           "configs": configs,
            "idle_latency": latency}
     path = write_results("routing", doc)
     plot(configs, path.with_suffix(".png"))
