@@ -38,14 +38,14 @@ for the engine's own prefix cache; this model's KV is 2 KiB a token): at 1024 Mi
 can hold every agent's history; the fleet's working set (the distinct blocks of every prompt:
 the agents' histories, the traces' shared system prompts and tools) is about 130 MiB, so at 64,
 32 and 16 MiB a replica holds a half, a quarter and an eighth of it: the regime of a GPU
-fleet's KV capacity under agent load, where a request lands decides what is still cached
-(the run prints and records the working set it
-measured). The peer-deployment arm runs at the first size only.
+fleet's KV capacity under agent load, where a request lands decides what is still cached (the
+run prints and records the working set it measured). The peer-deployment arm runs at the first
+size only.
 
-Measured per arm: fleet-wide prompt tokens served from cache (the engine's own prefix + the sidecar's exact
-and shifted hits, as the engine loaded them), TTFT p50 / p99 (from the routing decision to the
-first token: routing, queueing, Lookup, Fetch, prefill), and load balance (max / mean requests
-per replica). Goal: the sidecar arm serves >= 1.3x the cached tokens of prefix-only routing on
+Measured per arm: fleet-wide prompt tokens served from cache (the engine's own prefix + the
+sidecar's exact and shifted hits, as the engine loaded them), TTFT p50 / p99 (from the routing
+decision to the first token: routing, queueing, Lookup, Fetch, prefill), and load balance (max /
+mean requests per replica). Goal: the sidecar arm serves >= 1.3x the cached tokens of prefix-only routing on
 the edited histories at a balance within 10% of round-robin's.
 
 Model: the random-weight Llama-shaped model of ``bench.ttft --model random`` (``--layers`` x
