@@ -178,9 +178,8 @@ class _FleetCollector:
         f = self._fleet
         for name, value in f.stats.items():
             yield CounterMetricFamily(f"kv_sidecar_routing_{name}", f"Routing: {name.replace('_', ' ')}", value=value)
-        if f.residency is not None:
-            yield CounterMetricFamily("kv_sidecar_routing_residency_written", "Residency fields set or deleted",
-                                      value=f.residency.written)
+        yield CounterMetricFamily("kv_sidecar_routing_residency_written", "Residency fields set or deleted",
+                                  value=f.residency.written if f.residency is not None else 0)
 
 
 class _ClaimsCollector:
