@@ -1,6 +1,6 @@
 """KV-aware routing across a fleet: round-robin vs prefix-only affinity vs the sidecar's score.
 
-    ./dev bench routing            # ~12 minutes on 2 cores; --quick for a smoke run
+    ./dev bench routing            # ~15 minutes on 2 cores; --quick for a smoke run
 
 The fleet: three replicas, each a reference engine (``clients.transformers.Engine``, its own
 exact-prefix cache, Lookup -> Fetch -> prefill -> Store through its own sidecar) served by one
