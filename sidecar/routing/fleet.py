@@ -10,7 +10,8 @@
     absorb the records (as a Lookup's near-cache fill does)
     per live candidate: plan over its view (``score``)
 
-No candidates named: one more round trip first lists the replicas that beat (the members set).
+No candidates named: two more round trips first list the replicas that beat (the members set,
+then which of them have a heartbeat).
 Redis down or slow: peers are reported ``absent`` (never an error); the own replica is scored
 from the local registry. Tenancy: every key read is derived from the caller's scope and
 ``shared`` (the chunk keys are scope-salted), so another tenant's content changes neither a
