@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
 import numpy as np
@@ -55,10 +56,31 @@ class FleetProcs:
 
     def start(self, replica: str, *argv: str, **extra) -> str:
         """Start ``replica`` with ``extra`` settings (``--set``) and ``argv`` (more CLI flags)."""
-        proc, target = spawn_sidecar(*flags(self.prefix, self.redis_url, replica, **extra), *argv)
-        self._procs[replica] = proc
-        self.targets[replica] = target
-        return target
+        return self.start_each({replica: extra}, {replica: argv})[replica]
+
+    def start_all(self, replicas, *argv: str, **extra) -> dict[str, str]:
+        """``start`` each of ``replicas`` with the same arguments, concurrently."""
+        return self.start_each({r: extra for r in replicas}, {r: argv for r in replicas})
+
+    def start_each(self, settings: dict[str, dict], argv: dict[str, tuple] | None = None) -> dict[str, str]:
+        """Start each replica with its own settings (and CLI flags), concurrently: a sidecar
+        process takes seconds to import and warm up. Returns the targets by replica."""
+        argv = argv or {}
+        with ThreadPoolExecutor(len(settings)) as ex:
+            futs = {r: ex.submit(spawn_sidecar, *flags(self.prefix, self.redis_url, r, **kv), *argv.get(r, ()))
+                    for r, kv in settings.items()}
+            errors = []
+            for r, fut in futs.items():
+                try:
+                    proc, target = fut.result()
+                except Exception as exc:  # noqa: BLE001 - raised below, once every start ended
+                    errors.append(exc)
+                    continue
+                self._procs[r] = proc
+                self.targets[r] = target
+        if errors:
+            raise errors[0]
+        return {r: self.targets[r] for r in settings}
 
     def stop(self, replica: str) -> None:
         """A clean stop (SIGTERM: the sidecar deletes its heartbeat)."""

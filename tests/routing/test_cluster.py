@@ -27,8 +27,8 @@ def test_scores_on_a_redis_cluster(redis_cluster, prefix, rng):  # noqa: F811 - 
     fleet = FleetProcs(prefix, nodes[0].url)
     try:
         opts = {"shared_registry.cluster": "true"}
-        with SyncSidecarClient(fleet.start("r0", **opts), tenant="alice") as c0, \
-                SyncSidecarClient(fleet.start("r1", **opts), tenant="alice") as c1:
+        t = fleet.start_all(("r0", "r1"), **opts)
+        with SyncSidecarClient(t["r0"], tenant="alice") as c0, SyncSidecarClient(t["r1"], tenant="alice") as c1:
             p = np.concatenate([message(rng, 49, ANCHORS[0]), *conversation(rng)])
             q = np.concatenate([message(rng, 77, ANCHORS[0]), *conversation(rng)[:1], p[50:]])
             store_kv(c1, p, seed=1)

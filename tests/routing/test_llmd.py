@@ -62,8 +62,7 @@ def llmd_fleet(fleet: FleetProcs, tmp_path):
     tok = tmp_path / "tokenizer"
     write_tokenizer(tok)
     models = json.dumps({"m": {"tokenizer": str(tok), "model_id": "tiny"}})
-    for r in ("r0", "r1"):
-        fleet.start(r, **{"routing.models": models, "max_prompt_tokens": MAX_PROMPT_TOKENS})
+    fleet.start_all(("r0", "r1"), **{"routing.models": models, "max_prompt_tokens": MAX_PROMPT_TOKENS})
     return fleet, tok
 
 

@@ -93,7 +93,8 @@ def test_scores_match_what_each_replica_serves(fleet: FleetProcs, clients, rng, 
     (``extend_hits`` false alone is not enough: seed hits still extend the Lookup.)"""
     extra = WHOLE_CHUNKS if whole_chunks else {}
     names = ("r0", "r1", "r2")
-    c = {r: clients(fleet.start(r, **extra)) for r in names}
+    t = fleet.start_all(names, **extra)
+    c = {r: clients(t[r]) for r in names}
     X = conversation(rng)
     p0 = np.concatenate([message(rng, 49, ANCHORS[0]), *X])
     p1 = np.concatenate([message(rng, 120, ANCHORS[0]), *X])
@@ -151,8 +152,8 @@ def test_scores_match_what_each_replica_serves(fleet: FleetProcs, clients, rng, 
 def test_tier_tokens_follow_demotion_and_delete(fleet: FleetProcs, clients, rng, tmp_path):
     """r0 keeps a disk tier below its CPU tier: an operator Evict demotes chunks to disk, and
     every scorer reports them as disk tokens; after a Delete r0 scores 0 everywhere."""
-    c0 = clients(fleet.start("r0", **{"store.disk_path": str(tmp_path / "disk"), "store.disk_bytes": 64 * MiB}))
-    c1 = clients(fleet.start("r1"))
+    t = fleet.start_each({"r0": {"store.disk_path": str(tmp_path / "disk"), "store.disk_bytes": 64 * MiB}, "r1": {}})
+    c0, c1 = clients(t["r0"]), clients(t["r1"])
     p = np.concatenate([message(rng, 49, ANCHORS[0]), *conversation(rng)])
     store_kv(c0, p, seed=4)
     segs = hit_segments(c0.lookup(p, identity=IDENT))
@@ -187,9 +188,8 @@ def test_tier_tokens_follow_demotion_and_delete(fleet: FleetProcs, clients, rng,
 def test_killed_and_stopped_replicas_leave_the_scores(fleet: FleetProcs, clients, rng):
     """routing.heartbeat_ttl_s 1: a SIGKILLed replica leaves the scores once its heartbeat
     expires; a cleanly stopped one deletes its heartbeat. (Elapsed times printed.)"""
-    c0 = clients(fleet.start("r0"))
-    c1 = clients(fleet.start("r1"))
-    fleet.start("r2")
+    t = fleet.start_all(("r0", "r1", "r2"))
+    c0, c1 = clients(t["r0"]), clients(t["r1"])
     p = np.concatenate([message(rng, 49, ANCHORS[0]), *conversation(rng)])
     store_kv(c1, p, seed=5)
     cands = ["r0", "r1", "r2"]
@@ -222,8 +222,8 @@ def test_one_redis_round_trip_per_score(fleet: FleetProcs, clients, rng, redis_c
     """INFO commandstats around one Score: one HMGET per chunk key (and scope), one GET per
     peer heartbeat, at most one MGET of records; the round-trip counter moves by one."""
     port = free_port()
-    c0 = clients(fleet.start("r0", **NO_PROBE))
-    c1 = clients(fleet.start("r1", "--metrics-port", str(port), **NO_PROBE))
+    t = fleet.start_each({"r0": NO_PROBE, "r1": NO_PROBE}, {"r1": ("--metrics-port", str(port))})
+    c0, c1 = clients(t["r0"]), clients(t["r1"])
     p = np.concatenate([message(rng, 49, ANCHORS[0]), *conversation(rng)])
     store_kv(c0, p, seed=6)
     nchunks = len(c1.lookup(p, identity=IDENT, dry_run=True).chunk_bounds) - 1
@@ -280,8 +280,8 @@ def test_redis_down_scores_the_own_replica(restartable_redis, prefix, clients, r
     its residency again and is back in the scores."""
     fleet = FleetProcs(prefix, restartable_redis.url)
     try:
-        c0 = clients(fleet.start("r0", **FAST_RECONNECT))
-        c1 = clients(fleet.start("r1", **FAST_RECONNECT))
+        t = fleet.start_all(("r0", "r1"), **FAST_RECONNECT)
+        c0, c1 = clients(t["r0"]), clients(t["r1"])
         a = np.concatenate([message(rng, 49, ANCHORS[0]), *conversation(rng)])
         only_r1 = np.concatenate([message(rng, 49, ANCHORS[0]), *conversation(rng)])
         store_kv(c0, a, seed=8)
@@ -318,9 +318,10 @@ def test_redis_restarted_between_heartbeats(restartable_redis, prefix, clients, 
     fleet = FleetProcs(prefix, restartable_redis.url)
     r = redis.Redis.from_url(restartable_redis.url)
     try:
-        c0 = clients(fleet.start("r0", **FAST_RECONNECT))
-        # beats every 2 s, no probe of the shared scope in between: r1 sends nothing else
-        c1 = clients(fleet.start("r1", **FAST_RECONNECT, **NO_PROBE, **{"routing.heartbeat_ttl_s": 6}))
+        # r1 beats every 2 s, no probe of the shared scope in between: r1 sends nothing else
+        t = fleet.start_each({"r0": FAST_RECONNECT,
+                              "r1": {**FAST_RECONNECT, **NO_PROBE, "routing.heartbeat_ttl_s": 6}})
+        c0, c1 = clients(t["r0"]), clients(t["r1"])
         a = np.concatenate([message(rng, 49, ANCHORS[0]), *conversation(rng)])
         store_kv(c0, a, seed=10)
         store_kv(c1, a, seed=10)
@@ -372,8 +373,8 @@ def test_pick_rule():
 
 
 def test_router_routes_to_the_replica_holding_the_prompt(fleet: FleetProcs, clients, rng):
-    c0 = clients(fleet.start("r0"))
-    c1 = clients(fleet.start("r1"))
+    t = fleet.start_all(("r0", "r1"))
+    c0, c1 = clients(t["r0"]), clients(t["r1"])
     p = np.concatenate([message(rng, 49, ANCHORS[0]), *conversation(rng)])
     store_kv(c1, p, seed=10)
     wait_until(lambda: by_replica(c0.score(p, IDENT, ["r1"]))["r1"].prefix_tokens == len(p), "r1's chunks seen by r0")

@@ -41,7 +41,7 @@ def saved(client, tokens) -> list[tuple[str, int]]:
 
 
 def test_scores_count_the_own_scope_and_shared_only(fleet: FleetProcs, clients, rng):
-    t = {r: fleet.start(r) for r in CANDS}
+    t = fleet.start_all(CANDS)
     alice = {r: clients(t[r], "alice") for r in CANDS}
     bob = {r: clients(t[r], "bob") for r in CANDS}
     ops = clients(t["r0"], "ops")
@@ -74,7 +74,7 @@ def test_score_work_does_not_depend_on_another_tenants_content(fleet: FleetProcs
     """Bob scores prompt P in two worlds: nobody holds P, then alice holds P on both replicas
     (the scoring one and its peer). Same Redis commands of each kind, same keyspace hits and
     misses, identical answers; the median wall time of 200 Scores per world is printed."""
-    t = {r: fleet.start(r, **NO_PROBE) for r in CANDS}
+    t = fleet.start_all(CANDS, **NO_PROBE)
     bob = clients(t["r1"], "bob")
     ops = clients(t["r1"], "ops")
     # the shared scope is searched in both worlds (r1 holds shared chunks itself: without the
