@@ -247,13 +247,7 @@ class SharedRegistry:
                 scope_of += [scope] * len(miss)
         if not keys:
             return chunks
-        if not self.stats.up or self._pool is None:
-            self.stats.reads_skipped += 1
-            return chunks
-        try:
-            raw = await asyncio.get_running_loop().run_in_executor(self._pool, self._read, keys)
-        except RuntimeError:  # pool shut down (closing)
-            return chunks
+        raw = await self.run_read(lambda r: self._mget(r, keys))
         if raw is not None:
             self.absorb(reg, missing, scope_of, raw)
         return chunks
@@ -278,21 +272,15 @@ class SharedRegistry:
         except RuntimeError:  # pool shut down (closing)
             return None
 
-    def _read(self, keys: list[bytes]) -> list[bytes | None] | None:
+    def _mget(self, reader: Any, keys: list[bytes]) -> list[bytes | None]:
         """One round trip: MGET on one server; one MGET per slot in one pipeline on Cluster."""
-        st = self.stats
-        st.reads += 1
-        st.read_keys += len(keys)
-        try:
-            if not self.config.cluster:
-                return self._reader.mget(keys)
-            # redis-py refuses MGET in a user cluster pipeline; mget_nonatomic partitions the
-            # keys by slot and sends one MGET per slot through its own pipeline (the hash tag
-            # puts a scope on one slot: at most two MGETs, own scope and shared)
-            return self._reader.mget_nonatomic(keys)
-        except Exception as exc:  # noqa: BLE001 - Redis trouble never fails a Lookup
-            self._set_up(False, "read", exc)
-            return None
+        self.stats.read_keys += len(keys)
+        if not self.config.cluster:
+            return reader.mget(keys)
+        # redis-py refuses MGET in a user cluster pipeline; mget_nonatomic partitions the keys by
+        # slot and sends one MGET per slot through its own pipeline (the hash tag puts a scope on
+        # one slot: at most two MGETs, own scope and shared)
+        return reader.mget_nonatomic(keys)
 
     def absorb(self, reg: Any, keys: list[int], scopes: list[str], raw: list[bytes | None]) -> set[int]:
         """Insert the records found into the local registry (loop thread). Returns the keys
@@ -328,10 +316,12 @@ class SharedRegistry:
 
     # ------------------------------------------------------------------ publish
 
-    def publish(self, entries: Iterable[ChunkEntry | None], shared_copies: Collection[int] = ()) -> None:
+    def publish(self, entries: Iterable[ChunkEntry | None], shared_copies: Collection[int] = (), *,
+                only_missing: bool = False) -> None:
         """Queue records of ``entries`` (loop thread; O(1) per entry, no I/O). ``shared_copies``:
         keys whose bytes the remote tier now holds. A RESIDENT record replaces what Redis
-        holds; an OBSERVED one is only written where Redis has nothing yet."""
+        holds; an OBSERVED one is only written where Redis has nothing yet, and so is every
+        record with ``only_missing`` (publishing again after Redis came back without its data)."""
         shared_tier = self.shared_tier
         owner = self.sidecar_id
         ctx = self.config.share_left_context
@@ -340,19 +330,8 @@ class SharedRegistry:
             if e is None:
                 continue
             rec = SharedRecord.of(e, owner, shared_tier if e.key in shared_copies else "", ctx)
-            batch.append((self.keys.chunk_keys(e.scope, (e.key,))[0], rec.encode(), rec.resident, e.scope))
-        self._enqueue(batch)
-
-    def republish(self, entries: Iterable[ChunkEntry]) -> None:
-        """Queue records of ``entries`` again, each written only where Redis has none (loop
-        thread): after Redis came back without its data."""
-        owner = self.sidecar_id
-        ctx = self.config.share_left_context
-        remote = Tier.REMOTE.value
-        batch = []
-        for e in entries:
-            rec = SharedRecord.of(e, owner, self.shared_tier if e.tier == remote else "", ctx)
-            batch.append((self.keys.chunk_keys(e.scope, (e.key,))[0], rec.encode(), False, e.scope))
+            replace = rec.resident and not only_missing
+            batch.append((self.keys.chunk_keys(e.scope, (e.key,))[0], rec.encode(), replace, e.scope))
         self._enqueue(batch)
 
     def unpublish(self, entries: Iterable[tuple[int, str]]) -> None:

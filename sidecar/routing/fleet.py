@@ -31,6 +31,17 @@ from sidecar.registry.shared_keys import beat_key, members_key, residency_keys
 from sidecar.routing.config import RoutingConfig
 from sidecar.routing.residency import Beat, Holding, Residency, decode_holding
 from sidecar.routing.score import Holdings, ReplicaScore, ScoreResult, own_view, score_of
+from sidecar.tiers import Tier
+
+
+def _live(replicas: Sequence[str], raw: Sequence[bytes | None]) -> dict[str, Beat]:
+    """The replicas whose heartbeat ``raw`` (read in their order) is there and readable."""
+    out = {}
+    for p, v in zip(replicas, raw):
+        b = Beat.decode(v)
+        if b is not None:
+            out[p] = b
+    return out
 
 
 class Fleet:
@@ -67,7 +78,8 @@ class Fleet:
         if res is None or self.shared is None:
             return 0
         held = [e for e in self.index.registry.entries() if e.state is EntryState.RESIDENT]
-        self.shared.republish(held)
+        remote = Tier.REMOTE.value
+        self.shared.publish(held, {e.key for e in held if e.tier == remote}, only_missing=True)
         for e in held:
             res.changed(e, None, None, False)
         return len(held)
@@ -102,14 +114,7 @@ class Fleet:
         keys = shared.keys
         raw = await shared.run_read(lambda r: r.mget([beat_key(keys, p) for p in replicas]) if not shared.config.cluster
                                     else [r.get(beat_key(keys, p)) for p in replicas])
-        if raw is None:
-            return {}
-        out = {}
-        for p, v in zip(replicas, raw):
-            b = Beat.decode(v)
-            if b is not None:
-                out[p] = b
-        return out
+        return _live(replicas, raw or ())
 
     # ------------------------------------------------------------------ Score
 
@@ -212,11 +217,7 @@ class Fleet:
             records, rest = [], out
         hm, bt = rest[: len(res_keys)], rest[len(res_keys):]
         remote = shared.absorb(reg, rec_chunk, rec_scope, records) if rec_keys else set()
-        alive: dict[str, Beat] = {}
-        for p, raw in zip(peers, bt):
-            b = Beat.decode(raw)
-            if b is not None:
-                alive[p] = b
+        alive = _live(peers, bt)
         held: dict[str, dict[int, Holding]] = {p: {} for p in peers}
         incs = [(i, p, alive[p].incarnation) for i, p in enumerate(peers) if p in alive]
         for key, values in zip(res_chunk, hm):

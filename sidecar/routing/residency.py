@@ -7,7 +7,7 @@
       ──> Residency.changed: O(1), coalesced      + EXPIRE (shared_registry.entry_ttl_s)
           per chunk, only when the chunk's      HDEL  <prefix>:{scope}:r:<key>  <replica>
           LOCAL tier (gpu/cpu/disk) changes     every heartbeat_ttl_s / 3:
-                                                  SET <prefix>:{replicas}:<replica> <beat> EX ttl
+                                                  SET <prefix>:{replicas}:<replica> <beat> PX ttl GET
                                                   SADD <prefix>:{replicas} <replica>
 
 A field's value is ``tier code | incarnation | source_pos | prefix_digest | next_digest`` (25
@@ -28,7 +28,6 @@ import json
 import random
 import struct
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -153,10 +152,6 @@ class Residency:
 
     # ------------------------------------------------------------------ flusher thread
 
-    @property
-    def pending(self) -> int:
-        return len(self._pending)
-
     def take(self, limit: int) -> list[tuple[tuple[str, int], bytes | None]]:
         with self._lock:
             if len(self._pending) <= limit:
@@ -213,6 +208,3 @@ class Residency:
         """Delete the heartbeat (a clean stop): scorers drop this replica at once."""
         client.delete(beat_key(self.keys, self.replica))
         self._beat_at = 0.0
-
-    def beat_age(self) -> float:
-        return time.monotonic() - self._beat_at if self._beat_at else float("inf")

@@ -79,9 +79,10 @@ class RoutingHandlers:
         self.edge.limits.check_tokens(tenant, len(tokens))
         if not pods:
             pods = (await self.fleet.live_replicas())[: cfg.routing.max_candidates]
-        identity = await self._identity(name, pods)
+        identity, beats = await self._identity(name, pods)
         if identity is None:  # no engine of this model stored anything yet: nothing cached anywhere
-            beats = await self.fleet.beats([p for p in pods if p != self.fleet.replica])
+            if beats is None:
+                beats = await self.fleet.beats([p for p in pods if p != self.fleet.replica])
             live = [p for p in pods if p == self.fleet.replica or p in beats]
             return pod_scores_to_wire([(p, 0.0) for p in live])
         query = LookupQuery(
@@ -94,13 +95,15 @@ class RoutingHandlers:
         self.metrics.score_seconds.observe(time.perf_counter() - t0)
         return pod_scores_to_wire([(s.replica, s.saved_tokens / block) for s in res.scores])
 
-    async def _identity(self, model_name: str, pods: list[str]) -> CacheIdentity | None:
+    async def _identity(self, model_name: str, pods: list[str]) -> tuple[CacheIdentity | None, dict | None]:
         """The identity ``model_name``'s engines store under (this replica's first, then the
-        candidates' heartbeats), reused for a few seconds."""
+        candidates' heartbeats), reused for a few seconds; and the heartbeats of ``pods`` when
+        they were read for it (None when not)."""
         now = time.monotonic()
         hit = self._identities.get(model_name)
         if hit is not None and hit[1] > now:
-            return hit[0]
+            return hit[0], None
+        beats = None
         found = self.models.identity(model_name, self.fleet.own_identities())
         if found is None:
             beats = await self.fleet.beats([p for p in pods if p != self.fleet.replica])
@@ -109,4 +112,4 @@ class RoutingHandlers:
             if len(self._identities) > 1024:
                 self._identities.clear()
             self._identities[model_name] = (found, now + _IDENTITY_TTL_S)
-        return found
+        return found, beats
