@@ -3,9 +3,10 @@
     ./dev bench claims                 # sweep + hot path (about 1-2 minutes on 2 cores)
     ./dev bench claims --skip-hot      # sweep only
 
-1. Capacity sweep (seed 003, Figure 4): a 60-block resident object and a 70-block active
-   request over usable capacities 60..160 (step 10), one fresh sidecar per cell whose only tier
-   holds exactly ``usable`` blocks (one block = one 16-token chunk = one 8 KiB slot):
+1. Capacity sweep (the resident-claims conformance contract, Figure 4): a 60-block resident
+   object and a 70-block active request over usable capacities 60..160 (step 10), one fresh
+   sidecar per cell whose only tier holds exactly ``usable`` blocks (one block = one 16-token
+   chunk = one 8 KiB slot):
 
    * native:   Store the active KV; ordinary eviction makes room;
    * no_admit: Store the active KV while it is served, then Delete it (write no-admit: not

@@ -9,8 +9,8 @@ under every tenant's system prompt (they are hit at a shifted position).
 Each tenant's FIRST batch is C requests issued at once (C threads, one reference engine each:
 the within-batch race of the seed: every Lookup of the batch runs before its peers Store).
 Tenants run one after another; every tenant's private scope starts empty, and tenants never
-see each other's private chunks (ARCHITECTURE.md, "Tenancy"), so without warm start a first
-batch can only hit what its own peers Stored in time.
+see each other's private chunks (docs/architecture.md, "Tenancy and security"), so without warm
+start a first batch can only hit what its own peers Stored in time.
 
 Arms per (T, C): ``cold`` (a fresh sidecar) and ``warm`` (the same fresh sidecar after the
 operator's shared publication was imported into ``shared`` and warmed: the operator's manifest,

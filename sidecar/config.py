@@ -82,7 +82,7 @@ _SESSION_DEFAULTS = SessionConfig()
 
 @dataclass(frozen=True, kw_only=True)
 class DirectivesConfig:
-    """Span directives and Splice sessions (ARCHITECTURE.md, "The edit path"; docs/splice.md).
+    """Span directives and Splice sessions (docs/architecture.md, "The edit path"; docs/splice.md).
 
     Limits are per tenant where they say so. ``refresh_after``: rotations a slot may go through
     before a plan proposes REFRESH instead of rotating it again (None: never). ``vocab_size``:

@@ -1,11 +1,11 @@
 """Error taxonomy and the one table that maps it to gRPC status codes.
 
-Three tiers (STYLE.md): caller mistakes are ``ValueError``/``TypeError`` (or ``InvalidArgument``,
-which is both a ``ValueError`` and a ``SidecarError``) and become INVALID_ARGUMENT at the edge;
-refusals are typed ``SidecarError`` subclasses carrying their status; invariant violations are
-``InvariantViolation`` (INTERNAL, with a bug id, counted). The server maps exceptions with
-``status_for``; the client maps statuses back with ``error_for_status``. Nothing else in the
-code base chooses a status code.
+Three tiers (docs/architecture.md, "Errors"): caller mistakes are ``ValueError``/``TypeError``
+(or ``InvalidArgument``, which is both a ``ValueError`` and a ``SidecarError``) and become
+INVALID_ARGUMENT at the edge; refusals are typed ``SidecarError`` subclasses carrying their
+status; invariant violations are ``InvariantViolation`` (INTERNAL, with a bug id, counted). The
+server maps exceptions with ``status_for``; the client maps statuses back with
+``error_for_status``. Nothing else in the code base chooses a status code.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class DeadlineExceeded(SidecarError):
 
 
 class InvariantViolation(Internal):
-    """A broken internal invariant: never silently recovered (ARCHITECTURE.md, directives)."""
+    """A broken internal invariant: never silently recovered (docs/architecture.md, "Errors")."""
 
     def __init__(self, message: str, bug_id: str | None = None) -> None:
         self.bug_id = bug_id or uuid.uuid4().hex[:12]

@@ -1,7 +1,7 @@
 """Cache identity and KV layout: what must match before two caches may share KV.
 
-Every chunk key is salted with the ``CacheIdentity`` (ARCHITECTURE.md, "Cache identity"), so KV
-never crosses models, adapters, tokenizers, KV layouts, RoPE variants, block sizes or
+Every chunk key is salted with the ``CacheIdentity`` (docs/architecture.md, "Cache identity"), so
+KV never crosses models, adapters, tokenizers, KV layouts, RoPE variants, block sizes or
 namespaces. The salt is a 64-bit xxh64 of a canonical encoding of the identity; the scope
 (tenant or ``shared``) is mixed in separately by ``scope_seed`` because one Lookup searches two
 scopes under one identity.

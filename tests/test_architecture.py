@@ -1,4 +1,4 @@
-"""The import graph and file sizes of the shipped code (ARCHITECTURE.md, "Layout").
+"""The import graph and file sizes of the shipped code (docs/architecture.md, "Layering rules").
 
 Every ``.py`` file under sidecar/, clients/, bench/ and examples/ is parsed with ``ast`` (never
 imported), and every import statement in it counts, wherever it sits: module level, inside a

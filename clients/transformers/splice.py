@@ -1,4 +1,4 @@
-"""Apply Splice op plans to the reference engine's cache (ARCHITECTURE.md "The edit path").
+"""Apply Splice op plans to the reference engine's cache (docs/architecture.md, "The edit path").
 
 The sidecar mirrors the engine session with block size 1 (the engine is token-granular) and
 answers ``Splice`` with an ``OpPlan`` (``sidecar.directives.op_plan``). The engine's

@@ -18,8 +18,8 @@ from sidecar.identity import CacheIdentity, KVLayout, KVPart
 from sidecar.registry.lookup_plan import SEGMENT_FIELDS, AdmissionPolicy, FetchSpec, LookupPlan, LookupSummary, RepairScope
 from sidecar.v1 import sidecar_pb2 as pb
 
-#: Request metadata keys (ARCHITECTURE.md, "Tenancy"); kept here so clients need not import the
-#: server's configuration.
+#: Request metadata keys (docs/architecture.md, "Tenancy and security"); kept here so clients need
+#: not import the server's configuration.
 TENANT_HEADER = "x-tenant-id"
 AUTH_HEADER = "authorization"
 

@@ -1,4 +1,4 @@
-"""Resident claims (ARCHITECTURE.md, "Resident claims"; docs/claims.md).
+"""Resident claims (docs/architecture.md, "Resident claims"; docs/claims.md).
 
 ``model`` (modes, states, decisions, C1), ``ledger`` (the claim table, references, guards,
 expiry, materialization), ``arbitration`` (engine-pool feasibility and the capacity proof),

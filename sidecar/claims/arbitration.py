@@ -1,4 +1,5 @@
-"""Active/resident arbitration over the engine's reported pool (seed 003, section 3.4).
+"""Active/resident arbitration over the engine's reported pool (the resident-claims conformance
+contract, section 3.4).
 
     protected_resident + active_live <= usable        (blocks of the engine's KV pool)
 

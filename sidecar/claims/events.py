@@ -1,4 +1,4 @@
-"""Claim events: a bounded buffer with per-watcher cursors (ARCHITECTURE.md, "Resident claims").
+"""Claim events: a bounded buffer with per-watcher cursors (docs/claims.md).
 
 ``emit`` is O(1) and never waits: the buffer is a ring of ``capacity`` events numbered by a
 global sequence. A watcher reads from its own cursor; one that falls behind the oldest retained

@@ -1,4 +1,5 @@
-"""Resident claims: the vocabulary (seed 003, Tables 2-4; ARCHITECTURE.md, "Resident claims").
+"""Resident claims: the vocabulary (docs/architecture.md, "Resident claims"; the resident-claims
+conformance contract, Tables 2-4).
 
 A claim asks the sidecar to keep an object (an ordered run of chunks: a prefix) resident for
 future reuse. It has a mode (what the sidecar promises), a materialization predicate (a leading
@@ -23,7 +24,7 @@ ClaimId = NewType("ClaimId", str)
 
 
 class ProtectionMode(enum.Enum):
-    """What the sidecar promises to keep of a claimed object (ARCHITECTURE.md, "Resident claims")."""
+    """What the sidecar promises to keep of a claimed object (docs/claims.md)."""
 
     SOFT_PRIORITY = "soft_priority"    # eviction order only (second chance); no obligation
     HARD_PROTECTED = "hard_protected"  # never evicted nor demoted; active work refused instead

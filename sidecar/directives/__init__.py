@@ -1,6 +1,6 @@
 """Span directives -> op plans over a mirrored session layout; Splice transactions.
 
-The pure domain core of Splice (ARCHITECTURE.md, "The edit path"): no gRPC, no I/O.
+The pure domain core of Splice (docs/architecture.md, "The edit path"): no gRPC, no I/O.
 
 Public API:
 

@@ -30,7 +30,7 @@ _UINT32_LIMIT = 1 << 32
 
 
 class EditMode(str, Enum):
-    """What the cache must remember of an edited span (ARCHITECTURE.md, "The edit path")."""
+    """What the cache must remember of an edited span (docs/architecture.md, "The edit path")."""
 
     #: Keep downstream KV (V and latents untouched, rotary keys rotated): positional contract.
     AMORTIZE = "amortize"

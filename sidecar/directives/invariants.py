@@ -1,4 +1,4 @@
-"""Plan invariants, checked on every plan before Splice returns it (ARCHITECTURE.md).
+"""Plan invariants, checked on every plan before Splice returns it (docs/splice.md).
 
 ``check_plan`` derives what the session must look like from the edits alone (kept ranges
 with their shifts, computed ranges) and checks the ops against that:

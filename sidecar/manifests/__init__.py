@@ -1,4 +1,4 @@
-"""Warm-start manifests (ARCHITECTURE.md, "Manifests and warm start"; docs/manifests.md).
+"""Warm-start manifests (docs/architecture.md, "Manifests and warm start"; docs/manifests.md).
 
 * ``format``: the JSONL line (``ManifestEntry``, ``encode_line``/``parse_line``/``read_lines``,
   ``merge``; keys recomputed from the tokens, so a line cannot point a key at other content);

@@ -1,6 +1,6 @@
 """The chunk index: chunker + registry behind Lookup and Store (no gRPC here).
 
-Lookup (ARCHITECTURE.md, "The request path")::
+Lookup (docs/architecture.md, "The reuse path")::
 
     tokens ──CDC──> chunks c0..cm  (bounds, per-scope keys, prefix digests: one compiled pass)
     skip chunks wholly inside the engine's own prefix

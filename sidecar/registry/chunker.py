@@ -1,6 +1,7 @@
 """Content-defined chunking of token sequences (Gear rolling hash) and chunk fingerprints.
 
-Boundary rule (ARCHITECTURE.md, "Chunking"; Irminsul section 4 and Appendix B)::
+Boundary rule (docs/architecture.md, "Chunking and fingerprints"; Irminsul section 4 and
+Appendix B)::
 
     h <- (h << 1) + gear(token)            64-bit rolling state, wraps
     cut after token i when (h & mask) == 0 and the chunk has >= min_size tokens,

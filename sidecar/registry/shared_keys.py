@@ -1,6 +1,6 @@
 """The shared registry's configuration, Redis key names and record format (no I/O here).
 
-Key layout (ARCHITECTURE.md, "Scale"; docs/operations.md, "Shared registry")::
+Key layout (docs/architecture.md, "Scale"; docs/operations.md, "Shared registry")::
 
     <prefix>:{<scope tag>}:<chunk key, 16 hex>    one record per chunk (string, TTL)
     <prefix>:{<scope tag>}:n                      chunks first published under the scope (counter)

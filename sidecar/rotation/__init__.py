@@ -1,4 +1,4 @@
-"""RoPE delta-rotation: re-position cached keys in closed form (ARCHITECTURE.md, "Rotation contract").
+"""RoPE delta-rotation: re-position cached keys in closed form (docs/rotation.md).
 
     from sidecar.rotation import RopeSpec, rotate_keys, rotate_slots_
     spec = RopeSpec.from_hf_config(config)          # transformers 5.x PretrainedConfig

@@ -1,7 +1,7 @@
 """``RopeSpec``: which dims of a cached key are rotary, how they pair, at which frequencies.
 
 A spec describes keys exactly as they sit in a cache, so that ``K(p) -> K(p + delta)`` is one
-rotation per pair (ARCHITECTURE.md, "Rotation contract")::
+rotation per pair (docs/architecture.md, "Rotation contract")::
 
     GQA/MHA key, partial rotary, LEADING        MLA key expanded per head, TRAILING
     |<-- rotary_dim -->|<-- pass-through -->|   |<-- qk_nope (pass) -->|<-- qk_rope -->|

@@ -3,7 +3,7 @@
 An agent harness keeps its conversation as OpenAI-format messages and may rewrite its own
 history between turns (drop a failed tool call, cut an old tool output to a stub). The engine
 session holds the rendering of the previous list; ``Splice`` wants directives over those
-tokens. This module closes the gap (ARCHITECTURE.md, "The edit path", "Policy interface")::
+tokens. This module closes the gap (docs/architecture.md, "The edit path", "Policy interface")::
 
     new_messages = policy.transform(messages, turn_idx)
     directives, old_ids, new_ids = diff_directives(messages, new_messages, renderer,

@@ -1,7 +1,7 @@
 """Manifests in the server: producer wiring, startup import, ImportManifest / GetWarmUpPlan /
 ExportManifest (``ManifestService`` works in domain types; ``ManifestHandlers`` convert the wire).
 
-Scope rules (ARCHITECTURE.md, "Tenancy and security"): an import by tenant T puts entries into
+Scope rules (docs/architecture.md, "Tenancy and security"): an import by tenant T puts entries into
 T's scope (lines without a scope, or scoped T); with ``shared`` into the shared scope, which
 needs the operator permission (``auth.shared_writers``; PERMISSION_DENIED for the whole call,
 nothing imported). A line scoped ``shared`` is imported into ``shared`` only with that

@@ -1,4 +1,4 @@
-"""Prometheus metrics at the edge (ARCHITECTURE.md, "Observability").
+"""Prometheus metrics at the edge (docs/architecture.md, "Observability").
 
 Every name starts with ``kv_sidecar_``. Each server owns its own ``CollectorRegistry`` so several
 servers in one process (tests) do not collide. Domain objects never import prometheus_client:

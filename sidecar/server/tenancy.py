@@ -1,4 +1,4 @@
-"""Tenants from request headers and client certificates (ARCHITECTURE.md, "Tenancy and security").
+"""Tenants from request headers and client certificates (docs/security.md).
 
 The tenant of a call comes from one of, in this order:
 
