@@ -9,6 +9,7 @@ the result back and count it. A request that fails validation changes nothing. W
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -77,6 +78,8 @@ class KVHandlers:
         self.tenant_totals: OrderedDict[str, dict[str, int]] = OrderedDict()
         #: committed Stores still writing (they finish even when their call was cancelled)
         self._commits: set[asyncio.Task] = set()
+        #: Store streams whose commit arrived, waiting for their end (the client's half-close)
+        self.awaiting_close = 0
         #: told the identity of every Store that stored KV (routing names it in the heartbeat)
         self.on_stored: Callable[[CacheIdentity], None] | None = None
 
@@ -201,7 +204,8 @@ class KVHandlers:
         # client's commit message commits: grpc.aio ends the request stream of a cancelled or
         # expired call exactly like a half-close, so the end of the stream proves nothing.
         commit = None
-        async for msg in request_iterator:
+        messages = aiter(request_iterator)  # read on after the commit (below)
+        async for msg in messages:
             which = msg.WhichOneof("msg")
             if which == "commit":
                 commit = msg.commit
@@ -282,11 +286,28 @@ class KVHandlers:
             raise InvalidArgument(
                 f"commit.payload_bytes: {commit.payload_bytes}, but the stream carried {nbytes} payload bytes"
             )
+        work = functools.partial(self._commit, tokens, header, identity, scope, tenant, layout, payloads, chunked)
+        # The commit must be the stream's last message: read on to the stream's end (the
+        # client half-closes after its commit) and refuse the whole Store if anything follows,
+        # rather than store what came before and drop the rest. A cancel meanwhile ends the
+        # stream like a half-close (or cancels this read): as far as the server can know the
+        # commit was the last message, and the client decided to commit, so it is stored whole.
+        self.awaiting_close += 1
+        try:
+            trailing = await anext(messages, None)
+        except asyncio.CancelledError:
+            self._spawn(work())
+            raise
+        finally:
+            self.awaiting_close -= 1
+        if trailing is not None:
+            raise InvalidArgument(
+                f"commit: must be the last message of a Store stream, but a {trailing.WhichOneof('msg') or 'message'} "
+                "followed it; nothing of this stream was registered or stored"
+            )
         # Committed by the client: it completes (or is refused whole) even if the call is
         # cancelled now, so a cancel never leaves half a Store, or half its metrics, behind.
-        return await self._committed(self._commit(
-            tokens, header, identity, scope, tenant, layout, payloads, chunked
-        ))
+        return await self._committed(work())
 
     async def _commit(self, tokens: np.ndarray, header: wire.StoreHeader, identity: CacheIdentity, scope: str,
                       tenant: str, layout: KVLayout | None, payloads: dict[int, bytearray],
@@ -336,14 +357,19 @@ class KVHandlers:
         hashes = [h for it in request.items for h in (it.chunk_hash, *it.next_hashes)]
         return translate(hashes, identity, self.index.registry.peek, (tenant, SHARED_SCOPE)).__getitem__
 
-    async def _committed(self, work: Coroutine[Any, Any, _T]) -> _T:
-        """Run a committed write to its end even if the call is cancelled meanwhile: a cancel
-        after the commit message must not leave half a Store (or its thread's writes) behind."""
+    def _spawn(self, work: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
+        """Run a committed write to its end whatever happens to its call (``drain`` waits for
+        it on shutdown): a cancel after the commit message must not leave half a Store (or its
+        thread's writes) behind."""
         task = asyncio.ensure_future(work)
         self._commits.add(task)
         task.add_done_callback(_settled)
         task.add_done_callback(self._commits.discard)
-        return await asyncio.shield(task)
+        return task
+
+    async def _committed(self, work: Coroutine[Any, Any, _T]) -> _T:
+        """``_spawn`` ``work`` and wait for its result, which a cancel of the call does not stop."""
+        return await asyncio.shield(self._spawn(work))
 
     async def drain(self) -> None:
         """Wait for committed Stores whose calls are gone (server shutdown)."""
