@@ -138,8 +138,9 @@ ADMIT_FROM_WIRE = {w: Admit(v) for v, w in _ADMIT.items()}
 
 
 def proof_from_wire(msg: pb.CapacityProof) -> CapacityProof:
-    """The domain ``CapacityProof`` (its ``shortfall`` is derived, as the server computed it)."""
-    return CapacityProof(resident=msg.resident, active=msg.active, usable=msg.usable, unit=msg.unit, free=msg.free)
+    """The domain ``CapacityProof`` with the server's ``shortfall`` as sent (never recomputed)."""
+    return CapacityProof(resident=msg.resident, active=msg.active, usable=msg.usable, unit=msg.unit, free=msg.free,
+                         shortfall=msg.shortfall)
 
 
 def claim_request(

@@ -103,17 +103,22 @@ def classify_lowering(requested: ProtectionMode, capability: ProtectionMode) -> 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CapacityProof:
-    """``resident + active <= usable`` failed (or held) by ``shortfall``, in ``unit``."""
+    """``resident + active <= usable`` failed (or held) by ``shortfall``, in ``unit``.
+
+    ``shortfall`` left out is derived (``resident + active - usable``, 0 when feasible): the
+    server builds its proofs so. A proof read from the wire names the server's value, which
+    the client keeps as sent rather than recompute it."""
 
     resident: int
     active: int
     usable: int
     unit: str  # "blocks" | "bytes"
     free: int = 0
+    shortfall: int = None  # type: ignore[assignment]  # always an int once constructed
 
-    @property
-    def shortfall(self) -> int:
-        return max(0, self.resident + self.active - self.usable)
+    def __post_init__(self) -> None:
+        if self.shortfall is None:
+            object.__setattr__(self, "shortfall", max(0, self.resident + self.active - self.usable))
 
     def text(self) -> str:
         return (

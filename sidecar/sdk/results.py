@@ -2,8 +2,8 @@
 
 Field names mirror the proto's (``sidecar.proto``), so code written against the wire messages
 reads the same; enums become the domain's (``Decision``, ``ProtectionMode``, ``Admit``), a
-capacity proof becomes ``sidecar.claims.CapacityProof`` (its ``shortfall`` derived), repeated
-fields become tuples. Each type with a wire form converts it with ``from_wire`` (the response
+capacity proof becomes ``sidecar.claims.CapacityProof`` (with the server's ``shortfall`` as
+sent, never recomputed), repeated fields become tuples. Each type with a wire form converts it with ``from_wire`` (the response
 converter the RPC table in ``sidecar.sdk.rpcs`` names). The answers that are already domain
 types (``LookupPlan``, ``SessionState``, ``OpPlan``) convert in ``sidecar.api``.
 """
