@@ -119,8 +119,9 @@ class InMemoryRegistry:
         #: Keys LRU eviction must skip (claimed chunks); owned by the claims ledger.
         self.protected: set[int] = set()
         #: Told ``(entry, state before, tier before, removed)`` after every change of a registered
-        #: entry's state, tier or canonical copy, its insertion and its removal (residency for
-        #: routing, ``sidecar.routing.residency``); runs on the registry's thread, must only queue.
+        #: entry's state, tier, canonical copy or successor digest (``next_digest``), its insertion
+        #: and its removal (residency for routing, ``sidecar.routing.residency``); runs on the
+        #: registry's thread, must only queue.
         self.observer: Callable[[ChunkEntry, EntryState | None, str | None, bool], None] | None = None
         #: The compiled planner's mirror of the entries (None without ``compiled_lookup``).
         self.table: EntryTable | None = (
@@ -238,20 +239,27 @@ class InMemoryRegistry:
         is the one whose prefix digest is its ``next_digest`` and whose source position follows
         on, in the same scope. Links an entry already has are kept."""
         by_prefix = {(e.scope, e.prefix_digest): e for e, _ in chained}
-        table = self.table
         for e, nxt in chained:
             if not nxt or e.next_key or self._entries.get(e.key) is not e:
                 continue
-            e.next_digest = nxt
             succ = by_prefix.get((e.scope, nxt))
             if succ is not None and succ.source_pos == e.source_pos + e.num_tokens and self._entries.get(succ.key) is succ:
-                e.next_key = succ.key
+                self._relink(e, e.prev_key, succ.key, nxt)
                 if not succ.prev_key:
-                    succ.prev_key = e.key
-                    if table is not None:
-                        table.put(succ, succ.state is EntryState.RESIDENT)
-            if table is not None:
-                table.put(e, e.state is EntryState.RESIDENT)
+                    self._relink(succ, e.key, succ.next_key, succ.next_digest)
+            else:
+                self._relink(e, e.prev_key, e.next_key, nxt)
+
+    def _relink(self, entry: ChunkEntry, prev_key: int, next_key: int, next_digest: int) -> None:
+        """Set a registered entry's links; the mirror and the observer see them (residency
+        publishes ``next_digest``: peers coalesce this copy with its successor by it, as this
+        sidecar does)."""
+        digest_changed = entry.next_digest != next_digest
+        entry.prev_key, entry.next_key, entry.next_digest = prev_key, next_key, next_digest
+        if self.table is not None:
+            self.table.put(entry, entry.state is EntryState.RESIDENT)
+        if digest_changed and self.observer is not None:
+            self.observer(entry, entry.state, entry.tier, False)
 
     def touch(self, entry: ChunkEntry) -> None:
         """Record a served hit: recency and hit count."""
@@ -294,9 +302,7 @@ class InMemoryRegistry:
             if (not old.next_key and entry.next_key and old.source_pos == entry.source_pos
                     and old.prefix_digest == entry.prefix_digest):
                 # the same canonical copy seen with more of its sequence: learn its neighbours
-                old.prev_key, old.next_key, old.next_digest = entry.prev_key, entry.next_key, entry.next_digest
-                if self.table is not None:
-                    self.table.put(old, old.state is EntryState.RESIDENT)
+                self._relink(old, entry.prev_key, entry.next_key, entry.next_digest)
             self._entries.move_to_end(entry.key)
             self._scope_lru[old.scope].move_to_end(entry.key)
             return False

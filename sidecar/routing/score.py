@@ -94,13 +94,16 @@ class Holdings:
         base = self.peek(key)
         if base is None:
             return None  # no record of the chunk here (expired or not yet published): not plannable
-        if base.source_pos == h.source_pos and base.prefix_digest == h.prefix_digest:
+        if (base.source_pos == h.source_pos and base.prefix_digest == h.prefix_digest
+                and base.next_digest == h.next_digest):
             return base
         ck = (key, h.source_pos, h.prefix_digest, h.next_digest)
         copy = self._copies.get(ck)
         if copy is None or copy.num_tokens != base.num_tokens:
-            # That replica's copy was computed elsewhere: plan with its position and context
-            # (its neighbours there are unknown: no links).
+            # Plan with where THAT replica's copy was computed and the digest its successor has
+            # there (what coalesces consecutive shifted chunks), as the replica itself does: this
+            # sidecar's entry may sit elsewhere, or be a record without its successor's digest.
+            # Its neighbours' keys are not needed (scores do not extend hits).
             copy = self._copies[ck] = ChunkEntry(
                 key=base.key, scope=base.scope, tokens=base.tokens, source_pos=h.source_pos,
                 prefix_digest=h.prefix_digest, left_context=base.left_context, state=base.state, tier=base.tier,
