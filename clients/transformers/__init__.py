@@ -10,7 +10,14 @@ Modules: ``engine`` (the request loop), ``options`` (its options and results), `
 growing cache), ``prefix_cache`` (the engine's own exact-prefix cache), ``attention``
 (the engine's attention implementations: fast, and batch-invariant for the determinism gate), ``models`` (configs, random or real
 weights), ``fidelity`` (teacher-forced output-consistency metrics).
+
+Deprecated: ``clients.transformers.pretrained`` moved to ``sidecar.models``; the old path (the
+attribute, and importing the module) still gives ``sidecar.models``, with a
+``DeprecationWarning``, for one release.
 """
+
+import importlib
+import warnings
 
 from clients.transformers.cache import SequenceCache
 from clients.transformers.engine import Engine
@@ -87,3 +94,14 @@ __all__ = [
     "splice_cache",
     "weights_fingerprint",
 ]
+
+#: old public name -> the module it moved to (each removed one release after its move)
+_MOVED = {"pretrained": "sidecar.models"}
+
+
+def __getattr__(name: str) -> object:
+    new = _MOVED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__}.{name} is deprecated: use {new}", DeprecationWarning, stacklevel=2)
+    return importlib.import_module(new)

@@ -24,7 +24,12 @@ Public API:
 
 Domain errors come from ``sidecar.errors`` (InvalidArgument, FailedPrecondition, NotFound,
 ResourceExhausted, InvariantViolation); the server maps them to statuses.
+
+Deprecated: ``Mode``, the former name of ``EditMode``, still resolves (with a
+``DeprecationWarning``) for one release.
 """
+
+import warnings
 
 from sidecar.directives.allocator import BlockAllocator
 from sidecar.directives.directive import Directive, Edit, EditMode, apply_edits, validate_directives
@@ -67,3 +72,14 @@ __all__ = [
     "plan_splice",
     "validate_directives",
 ]
+
+#: old public name -> its new name in this package (each removed one release after its rename)
+_RENAMED = {"Mode": "EditMode"}
+
+
+def __getattr__(name: str) -> object:
+    new = _RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__}.{name} is deprecated: use {__name__}.{new}", DeprecationWarning, stacklevel=2)
+    return globals()[new]
