@@ -29,8 +29,7 @@ Deprecated: ``Mode``, the former name of ``EditMode``, still resolves (with a
 ``DeprecationWarning``) for one release.
 """
 
-import warnings
-
+from sidecar.deprecation import renamed_attributes
 from sidecar.directives.allocator import BlockAllocator
 from sidecar.directives.directive import Directive, Edit, EditMode, apply_edits, validate_directives
 from sidecar.directives.held import HeldKV, HeldRuns, HeldSpan, Resolver, kept_sources
@@ -74,12 +73,4 @@ __all__ = [
 ]
 
 #: old public name -> its new name in this package (each removed one release after its rename)
-_RENAMED = {"Mode": "EditMode"}
-
-
-def __getattr__(name: str) -> object:
-    new = _RENAMED.get(name)
-    if new is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"{__name__}.{name} is deprecated: use {__name__}.{new}", DeprecationWarning, stacklevel=2)
-    return globals()[new]
+__getattr__ = renamed_attributes(__name__, globals(), {"Mode": "EditMode"})
