@@ -1,13 +1,16 @@
-"""Row copies into vLLM's standard KV layouts against a plain ``copy_`` of the same bytes.
+"""The vLLM worker's row copies into its standard KV layouts against a plain ``copy_`` of the same bytes.
 
 For every ``KVCacheLayout`` (LBHNC ... BHLNC), GQA (8 KV heads x 128, like Llama-3-8B) and MLA
 (one 576-wide latent row, like DeepSeek-V3), bf16: a cache of 8 layers x 512 blocks of 16 tokens
 built as vLLM builds it (one flat buffer, per-layer logical ``[B, H, N, C]`` views), and a run of
-4096 tokens whose blocks are scattered over the cache. Measured in one run, interleaved:
+4096 tokens whose blocks are scattered over the cache. Timed are exactly the calls the worker
+makes (``clients.vllm.worker_side``), on one intra-op thread as the worker runs them
+(``paged.single_threaded``), interleaved:
 
-* ``load``: ``clients.vllm.layouts.load_`` of the run's payload (one indexed copy per layer and part);
-* ``save``: ``gather`` of the same cells back into a payload buffer;
-* ``copy``: ``dst.copy_(payload)`` of the same number of bytes into a contiguous buffer (the floor).
+* ``load``: ``StandardKV.scatter`` / ``LatentKV.scatter`` of the run's rows (``[L, 2, n, H, D]`` /
+  ``[L, n, C]``) at its positions, given the request's block table;
+* ``save``: ``gather`` of the same positions back into new rows;
+* ``copy``: ``dst.copy_(rows)`` of the same number of bytes into a contiguous buffer (the floor).
 
 Reported: GB/s of each and ``load / copy``, ``save / copy`` (goal: >= 0.5 on CPU tensors).
 Run: ``./dev bench vllm_layouts`` (about a minute); ``--device cuda`` on a GPU. Writes
@@ -25,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from clients.vllm.layouts import PagedSpec, Run, gather, load_
+from clients.vllm.layouts import LatentKV, PagedSpec, StandardKV
+from clients.vllm.paged import single_threaded
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: vLLM's KVCacheLayout values (vllm/v1/kv_cache_layout.py): physical order of the logical axes
@@ -73,30 +77,42 @@ def timed(fn, reps: int, sync) -> float:
     return best
 
 
+def rows_for(spec: PagedSpec, layers: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Random rows as the worker moves them: ``[L, 2, n, H, D]`` (GQA) or ``[L, n, C]`` (MLA)."""
+    shape = (layers, n, spec.content) if spec.mla else (layers, 2, n, spec.num_heads, spec.head_size)
+    return torch.randn(shape, generator=gen).to(spec.dtype)
+
+
+def cache_for(spec: PagedSpec, views: list[torch.Tensor]) -> StandardKV | LatentKV:
+    """The worker's cache object over ``views`` (``WorkerSide.register_kv_caches``)."""
+    return (LatentKV if spec.mla else StandardKV)(views, spec)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args(argv)
     device = args.device
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     gen = torch.Generator().manual_seed(0)
-    table = torch.randperm(BLOCKS, generator=gen)[: RUN_TOKENS // BLOCK_SIZE].to(device)
-    run = Run.of(table, 0, RUN_TOKENS, BLOCK_SIZE)
+    table = torch.randperm(BLOCKS, generator=gen)[: RUN_TOKENS // BLOCK_SIZE]  # the job's block ids, on the host
+    positions = torch.arange(RUN_TOKENS)
     rows = []
     for kind, spec in specs(BLOCK_SIZE).items():
-        nbytes = spec.payload_layout(LAYERS).bytes_per_token * RUN_TOKENS
-        payload = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, generator=gen).to(device)
-        out = torch.empty_like(payload)
-        floor = torch.empty_like(payload)
+        src = rows_for(spec, LAYERS, RUN_TOKENS, gen).to(device)
+        nbytes = src.numel() * src.element_size()
+        floor = torch.empty_like(src)
         for name, order in LAYOUTS.items():
-            views = build(spec, order, device)
+            cache = cache_for(spec, build(spec, order, device, LAYERS, BLOCKS))
             load_s = copy_s = save_s = float("inf")
-            for _ in range(3):  # interleaved rounds: a noisy neighbour hits every arm alike
-                load_s = min(load_s, timed(lambda: load_(views, spec, payload, run), args.reps, sync))
-                copy_s = min(copy_s, timed(lambda: floor.copy_(payload), args.reps, sync))
-                save_s = min(save_s, timed(lambda: gather(views, spec, run, out), args.reps, sync))
-            assert torch.equal(out, payload)
+            with single_threaded():  # the worker's copies run on one intra-op thread
+                for _ in range(3):  # interleaved rounds: a noisy neighbour hits every arm alike
+                    load_s = min(load_s, timed(lambda: cache.scatter(src, table, positions), args.reps, sync))
+                    copy_s = min(copy_s, timed(lambda: floor.copy_(src), args.reps, sync))
+                    save_s = min(save_s, timed(lambda: cache.gather(table, positions, host=not cuda), args.reps, sync))
+            assert torch.equal(cache.gather(table, positions, host=not cuda), src)
             row = {
                 "kind": kind, "layout": name, "bytes": nbytes,
                 "load_gbps": round(nbytes / load_s / 1e9, 2), "save_gbps": round(nbytes / save_s / 1e9, 2),
@@ -108,11 +124,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['save_gbps']} GB/s ({row['save_over_copy']}x copy), copy {row['copy_gbps']} GB/s")
     worst = min(min(r["load_over_copy"], r["save_over_copy"]) for r in rows)
     doc = {
-        "what": "clients.vllm.layouts load_ / gather vs a plain copy_ of the same bytes, every vLLM KVCacheLayout",
+        "what": "the vLLM worker's StandardKV / LatentKV scatter (load) and gather (save) vs a plain copy_ of the "
+                "same bytes, every vLLM KVCacheLayout",
         "command": "./dev bench vllm_layouts" + ("" if device == "cpu" else f" --device {device}"),
         "machine": {"device": device if device == "cpu" else torch.cuda.get_device_name(),
                     "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__},
+                    "torch_threads": 1, "torch": torch.__version__},
         "shape": {"layers": LAYERS, "blocks": BLOCKS, "block_size": BLOCK_SIZE, "run_tokens": RUN_TOKENS,
                   "gqa": "8 kv heads x 128, bf16", "mla": "576-wide latent row (rope 64), bf16"},
         "goal": f"load and save >= {GOAL} of copy_",

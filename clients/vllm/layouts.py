@@ -10,39 +10,44 @@ right for all six. The content of one (block, head, token) cell::
     GQA / MHA   [ K (head_size) | V (head_size_v) ]          H = num_kv_heads
     MLA         [ c_kv (kv_lora_rank) | k_pe (rope dim) ]    H = 1, no separate V
 
-Sidecar payloads are ``KVLayout`` order (per layer, each part contiguous over the tokens:
-``k [n, H, D]``, ``v [n, H, D]``; MLA ``c_kv [n, r]``, ``k_pe [n, d]``), so a part is one
-content slice of the view. ``load_`` and ``gather`` move a ``Run`` of ``n`` tokens with at most
-two copies per layer and part (whole blocks by block index, the partial ends by (block,
-offset) pairs): no per-token Python, and the same torch ops on CPU and CUDA tensors.
+The worker's caches (``StandardKV`` for GQA / MHA rows ``[L, 2, n, H, D]``, ``LatentKV`` for MLA
+latent rows ``[L, n, C]``) move rows at a request's token positions, with the same torch ops on
+CPU and CUDA tensors and no per-token Python:
+
+* ``scatter`` (loads): one indexed write per layer and part, every token addressed by its
+  (block, offset) pair;
+* ``gather`` (stores): per run of consecutive positions, the whole blocks by one
+  ``index_select`` over the block axis per layer, the partial ends (at most ``2 * (block_size -
+  1)`` tokens a run) by (block, offset) pairs.
+
+Each direction is the faster of the two ways measured on CPU tensors (``bench/vllm_layouts.py``
+times exactly these methods; docs/benchmarks.md, "vllm_layouts"): block-wise reads are 2-4x
+per-token reads, while per-token writes match or beat block-wise writes, whose transposed
+source costs as much as they save.
 
 ``PagedSpec.from_vllm`` reads what the copies need from vLLM's ``KVCacheSpec`` by attribute
 (no vLLM import, so the main test suite runs it) and refuses what it cannot serve with one
-``UnsupportedLayout`` naming what and why: quantized caches (fp8 and friends), packed content
-(``state_content_bytes`` / ``num_head_slots``), compressed or pooled states
-(``tokens_per_state != 1``), dtypes other than bf16 / fp16 / fp32. vLLM's CPU backend packs K
-inside a block its own way and is served by ``paged.BlockLayout`` instead.
+``UnsupportedLayout`` (a ``refusals.Refused``) naming what and why: quantized caches (fp8 and
+friends), packed content (``state_content_bytes`` / ``num_head_slots``), compressed or pooled
+states (``tokens_per_state != 1``), dtypes other than bf16 / fp16 / fp32. vLLM's CPU backend
+packs K inside a block its own way and is served by ``paged.BlockLayout`` instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from sidecar.api.payload import decode_payload
-from sidecar.identity import KVLayout
+from clients.vllm.refusals import Refused
 
-__all__ = ["SUPPORTED_DTYPES", "LatentKV", "PagedSpec", "Run", "StandardKV", "UnsupportedLayout", "gather", "load_",
-           "save", "slots"]
+__all__ = ["SUPPORTED_DTYPES", "LatentKV", "PagedSpec", "Run", "StandardKV", "UnsupportedLayout", "runs", "slots"]
 
 SUPPORTED_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
-_PAYLOAD_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-class UnsupportedLayout(ValueError):
+class UnsupportedLayout(Refused):
     """A KV cache group the connector cannot serve; the message names what and why. vLLM then
     serves the group's requests alone."""
 
@@ -98,29 +103,12 @@ class PagedSpec:
         return cls(mla=mla, num_heads=num_heads, block_size=int(spec.block_size), head_size=head_size,
                    head_size_v=head_size_v, dtype=dtype, rope_dim=rope_dim)
 
-    def payload_layout(self, num_layers: int) -> KVLayout:
-        """The sidecar payload layout of this group's rows."""
-        dtype = _PAYLOAD_DTYPES[self.dtype]
-        if self.mla:
-            return KVLayout.mla(num_layers=num_layers, kv_lora_rank=self.head_size - self.rope_dim,
-                                qk_rope_head_dim=self.rope_dim, dtype=dtype)
-        if self.head_size != self.head_size_v:
-            raise UnsupportedLayout(f"head_size {self.head_size} != head_size_v {self.head_size_v}: "
-                                    "the sidecar payload holds K and V of one shape")
-        return KVLayout.gqa(num_layers=num_layers, num_kv_heads=self.num_heads, head_dim=self.head_size, dtype=dtype)
-
     def check_view(self, view: torch.Tensor) -> None:
         """Raise ``UnsupportedLayout`` unless ``view`` is this group's logical ``[B, H, N, C]``."""
         want = (self.num_heads, self.block_size, self.content)
         if view.dim() != 4 or tuple(view.shape[1:]) != want or view.dtype != self.dtype:
             raise UnsupportedLayout(f"layer view {tuple(view.shape)} {view.dtype}: expected [B, {want[0]}, "
                                     f"{want[1]}, {want[2]}] {self.dtype} (vLLM's standard [B, H, N, C] view)")
-
-    def slices(self) -> tuple[tuple[int, int], ...]:
-        """Each payload part's content slice, in payload part order."""
-        if self.mla:
-            return (0, self.head_size - self.rope_dim), (self.head_size - self.rope_dim, self.head_size)
-        return (0, self.head_size), (self.head_size, self.content)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +118,8 @@ class Run:
 
         | head: a partial first block | full blocks: whole [H, N, C] cells | tail: partial |
 
-    Whole blocks move with one ``index_copy_`` / ``index_select`` over the block axis; the partial
-    ends (at most ``2 * (block_size - 1)`` tokens) by (block, offset) index pairs."""
+    Whole blocks are read with one ``index_select`` over the block axis; the partial ends (at most
+    ``2 * (block_size - 1)`` tokens) by (block, offset) index pairs."""
 
     n: int
     head: int
@@ -159,79 +147,26 @@ def slots(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) -> 
     return block_ids[positions // block_size], positions % block_size
 
 
-def _cells(view: torch.Tensor, spec: PagedSpec, lo: int, hi: int) -> torch.Tensor:
-    """The content slice ``[lo, hi)`` of every cell (still a view); MLA's single head dropped."""
-    part = view[..., lo:hi]
-    return part[:, 0] if spec.mla else part
-
-
-def load_(views: Sequence[torch.Tensor], spec: PagedSpec, payload: object, run: Run) -> None:
-    """Write a payload of ``run.n`` tokens (``spec.payload_layout(len(views))`` order, any
-    bytes-like or tensor on the views' device) into the run's cells of every layer: per layer and
-    part one ``index_copy_`` for the whole blocks and one indexed copy for the partial ends."""
-    pv = decode_payload(payload, spec.payload_layout(len(views)), run.n)
-    slices = spec.slices()
-    bs = spec.block_size
-    nfull = len(run.full)
-    for view, layer in zip(views, _layers(pv, len(views), len(slices))):
-        for (lo, hi), src in zip(slices, layer):
-            cells = _cells(view, spec, lo, hi)  # [B, H, N, w] (MLA: [B, N, w])
-            if nfull:
-                mid = src[run.head:run.head + nfull * bs]
-                if spec.mla:
-                    cells.index_copy_(0, run.full, mid.view(nfull, bs, -1))
-                else:
-                    cells.index_copy_(0, run.full, mid.view(nfull, bs, *mid.shape[1:]).transpose(1, 2))
-            if len(run.edge_tokens):
-                edge = src[run.edge_tokens]
-                if spec.mla:
-                    cells[run.edge_blocks, run.edge_offsets] = edge
-                else:
-                    cells[run.edge_blocks, :, run.edge_offsets] = edge
-
-
-def gather(views: Sequence[torch.Tensor], spec: PagedSpec, run: Run, out: object) -> None:
-    """Read the run's cells of every layer into ``out``, a payload buffer of ``run.n`` tokens in
-    ``spec.payload_layout(len(views))`` order (the inverse of ``load_``)."""
-    pv = decode_payload(out, spec.payload_layout(len(views)), run.n)
-    slices = spec.slices()
-    bs = spec.block_size
-    nfull = len(run.full)
-    for view, layer in zip(views, _layers(pv, len(views), len(slices))):
-        for (lo, hi), dst in zip(slices, layer):
-            cells = _cells(view, spec, lo, hi)
-            if nfull:
-                mid = dst[run.head:run.head + nfull * bs]
-                got = cells.index_select(0, run.full)  # [nfull, H, N, w] (MLA: [nfull, N, w])
-                if spec.mla:
-                    mid.view(nfull, bs, -1).copy_(got)
-                else:
-                    mid.view(nfull, bs, *mid.shape[1:]).copy_(got.transpose(1, 2))
-            if len(run.edge_tokens):
-                dst[run.edge_tokens] = (cells[run.edge_blocks, run.edge_offsets] if spec.mla
-                                        else cells[run.edge_blocks, :, run.edge_offsets])
-    pv.write_back()
-
-
-def save(views: Sequence[torch.Tensor], spec: PagedSpec, run: Run) -> torch.Tensor:
-    """``gather`` into a new uint8 payload tensor on the views' device."""
-    layout = spec.payload_layout(len(views))
-    out = torch.empty(layout.bytes_per_token * run.n, dtype=torch.uint8, device=views[0].device)
-    gather(views, spec, run, out)
-    return out
-
-
-def _layers(pv: Any, num_layers: int, num_parts: int) -> list[list[torch.Tensor]]:
-    parts = [p.tensor for p in pv.parts]
-    if len(parts) != num_layers * num_parts:
-        raise ValueError(f"payload has {len(parts)} parts; {num_layers} layers x {num_parts} parts expected")
-    return [parts[i * num_parts:(i + 1) * num_parts] for i in range(num_layers)]
+def runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``positions`` (int64 ``[n]``, any order) as runs of consecutive positions: ``(row, start,
+    length)`` per run, ``row`` its first index in ``positions``. One vectorized pass; the loop
+    is over runs (a Store job's chunks), never tokens."""
+    p = positions.cpu()
+    if not len(p):
+        return []
+    cuts = (torch.nonzero(p[1:] - p[:-1] != 1).view(-1) + 1).tolist()
+    bounds = [0, *cuts, len(p)]
+    starts = p[bounds[:-1]].tolist()
+    return [(a, s, b - a) for a, b, s in zip(bounds, bounds[1:], starts)]
 
 
 class _ViewCache:
-    """A cache of vLLM's standard ``[B, H, N, C]`` layer views, addressed by (block, offset)
-    index tensors on its device (one indexed copy per layer and part, no per-token Python).
-    Subclasses say which cells they serve (``accepts``) and what a row is."""
+    """A cache of vLLM's standard ``[B, H, N, C]`` layer views, as the worker moves it: rows
+    ``scatter``ed at and ``gather``ed from a request's token positions (see the module
+    docstring). Subclasses say which cells they serve (``refuses``), what a row is
+    (``token_axis``, ``_rows_shape``) and how one layer's cells move."""
+
+    token_axis: int
 
     def __init__(self, layers: list[torch.Tensor], spec: PagedSpec) -> None:
         why = self.refuses(spec)
@@ -253,15 +188,43 @@ class _ViewCache:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def _slots(self, block_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return slots(block_ids.to(self.device), positions.to(self.device), self.spec.block_size)
+    def scatter(self, rows: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write rows (any device) at ``positions`` (int64 ``[n]``) of the request whose block
+        table is ``block_ids``: one indexed write per layer and part."""
+        blk, off = slots(block_ids.to(self.device), positions.to(self.device), self.spec.block_size)
+        rows = rows.to(self.device, non_blocking=False)
+        for li, t in enumerate(self.layers):
+            self._write(t, rows[li], blk, off)
+
+    def gather(self, block_ids: torch.Tensor, positions: torch.Tensor, host: bool = True) -> torch.Tensor:
+        """The rows at ``positions`` (int64 ``[n]``), a new tensor on the CPU (``host``) or the
+        cache's device: per run of consecutive positions, whole blocks by block index and the
+        partial ends by (block, offset) pairs."""
+        table = block_ids.to(self.device)
+        out = torch.empty(self._rows_shape(len(positions)), dtype=self.dtype, device=self.device)
+        for row, start, n in runs(positions):
+            run = Run.of(table, start, n, self.spec.block_size)
+            part = out.narrow(self.token_axis, row, n)
+            for li, t in enumerate(self.layers):
+                self._read(t, run, part[li])
+        return out.cpu() if host else out
+
+    def _rows_shape(self, n: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def _write(self, t: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _read(self, t: torch.Tensor, run: Run, out: torch.Tensor) -> None:
+        raise NotImplementedError
 
 
 class StandardKV(_ViewCache):
-    """The connector's view of a GQA / MHA cache in vLLM's standard layout, on any device: the
-    interface of ``paged.PagedKV`` (``gather`` / ``scatter`` of ``[L, 2, n, H, D]`` rows at a
-    request's token positions), for the backends whose per-layer tensor is the logical
-    ``[B, H, N, K | V]`` view (flash-attn, FlashInfer, Triton on GPUs)."""
+    """A GQA / MHA cache in vLLM's standard layout, on any device (flash-attn, FlashInfer, Triton
+    on GPUs): rows ``[L, 2, n, H, D]`` (K then V per layer, ``rows.GqaRows``), the interface of
+    ``paged.PagedKV``."""
+
+    token_axis = 2
 
     @staticmethod
     def refuses(spec: PagedSpec) -> str:
@@ -269,43 +232,47 @@ class StandardKV(_ViewCache):
             return "StandardKV serves GQA / MHA caches whose K and V have one width"
         return ""
 
-    def gather(self, block_ids: torch.Tensor, positions: torch.Tensor, host: bool = True) -> torch.Tensor:
-        """KV rows of ``positions`` (int64 [n]) as ``[L, 2, n, H, D]``, a new tensor on the CPU
-        (``host``) or the cache's device."""
-        blk, off = self._slots(block_ids, positions)
-        D = self.spec.head_size
-        rows = torch.stack([torch.stack((t[blk, :, off, :D], t[blk, :, off, D:])) for t in self.layers])
-        return rows.cpu() if host else rows
+    def _rows_shape(self, n: int) -> tuple[int, ...]:
+        return self.num_layers, 2, n, self.spec.num_heads, self.spec.head_size
 
-    def scatter(self, rows: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write ``[L, 2, n, H, D]`` rows (any device) at ``positions`` (int64 [n])."""
-        blk, off = self._slots(block_ids, positions)
-        rows = rows.to(self.device, non_blocking=False)
+    def _write(self, t: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> None:
         D = self.spec.head_size
-        for li, t in enumerate(self.layers):
-            t[..., :D][blk, :, off] = rows[li, 0]
-            t[..., D:][blk, :, off] = rows[li, 1]
+        t[..., :D][blk, :, off] = rows[0]
+        t[..., D:][blk, :, off] = rows[1]
+
+    def _read(self, t: torch.Tensor, run: Run, out: torch.Tensor) -> None:
+        """``out``: this layer's ``[2, n, H, D]`` rows of the run."""
+        H, B, D = self.spec.num_heads, self.spec.block_size, self.spec.head_size
+        nfull = len(run.full)
+        if nfull:  # [nfull, H, B, K | V] -> [K / V, nfull, B, H, D]
+            cells = t.index_select(0, run.full).view(nfull, H, B, 2, D)
+            out[:, run.head:run.head + nfull * B].view(2, nfull, B, H, D).copy_(cells.permute(3, 0, 2, 1, 4))
+        if len(run.edge_tokens):
+            edge = t[run.edge_blocks, :, run.edge_offsets]  # [e, H, K | V]
+            out[:, run.edge_tokens] = edge.reshape(-1, H, 2, D).permute(2, 0, 1, 3)
 
 
 class LatentKV(_ViewCache):
     """An MLA cache in vLLM's standard layout (per layer the logical ``[B, 1, N, C]`` view, ``C =
-    kv_lora_rank + rope_dim``, rope part last), as the worker moves it: ``gather`` / ``scatter`` of
-    latent rows ``[L, n, C]`` at a request's token positions (``rows.LatentRows``), on any device."""
+    kv_lora_rank + rope_dim``, rope part last), on any device: latent rows ``[L, n, C]``
+    (``rows.LatentRows``)."""
+
+    token_axis = 1
 
     @staticmethod
     def refuses(spec: PagedSpec) -> str:
         return "" if spec.mla else "LatentKV serves MLA caches (one latent row per token)"
 
-    def gather(self, block_ids: torch.Tensor, positions: torch.Tensor, host: bool = True) -> torch.Tensor:
-        """Latent rows of ``positions`` (int64 [n]) as ``[L, n, C]``, a new tensor on the CPU
-        (``host``) or the cache's device."""
-        blk, off = self._slots(block_ids, positions)
-        rows = torch.stack([t[blk, 0, off] for t in self.layers])
-        return rows.cpu() if host else rows
+    def _rows_shape(self, n: int) -> tuple[int, ...]:
+        return self.num_layers, n, self.spec.content
 
-    def scatter(self, rows: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write ``[L, n, C]`` latent rows (any device) at ``positions`` (int64 [n])."""
-        blk, off = self._slots(block_ids, positions)
-        rows = rows.to(self.device, non_blocking=False)
-        for li, t in enumerate(self.layers):
-            t[blk, 0, off] = rows[li]
+    def _write(self, t: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> None:
+        t[blk, 0, off] = rows
+
+    def _read(self, t: torch.Tensor, run: Run, out: torch.Tensor) -> None:
+        """``out``: this layer's ``[n, C]`` latent rows of the run."""
+        B, nfull = self.spec.block_size, len(run.full)
+        if nfull:
+            out[run.head:run.head + nfull * B].view(nfull, B, -1).copy_(t.index_select(0, run.full)[:, 0])
+        if len(run.edge_tokens):
+            out[run.edge_tokens] = t[run.edge_blocks, 0, run.edge_offsets]

@@ -1,4 +1,4 @@
-"""The standard-layout row copies (``clients.vllm.layouts``) against an independent reference.
+"""The worker's standard-layout row copies (``clients.vllm.layouts``) against an independent reference.
 
 Caches are built the way vLLM builds them (one flat buffer, per-layer logical ``[B, H, N, C]``
 views whose strides follow a ``KVCacheLayout`` permutation of ``[L, B, H, N, C]``), here from the
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from clients.vllm.layouts import PagedSpec, Run, StandardKV, UnsupportedLayout, gather, load_, save
-from sidecar.api.payload import decode_payload
+from clients.vllm.layouts import LatentKV, PagedSpec, StandardKV, UnsupportedLayout, runs
+from clients.vllm.refusals import Refused
 
 #: vLLM's KVCacheLayout values (vllm/v1/kv_cache_layout.py): physical order of the logical axes.
 LAYOUTS = {
@@ -55,6 +55,38 @@ def reference_cell(raw: torch.Tensor, st: list[int], layer: int, block: int, hea
     return raw[layer * st[0] + block * st[1] + head * st[2] + tok * st[3] + c * st[4]].item()
 
 
+def cache_of(spec: PagedSpec, views: list[torch.Tensor]) -> StandardKV | LatentKV:
+    return (LatentKV if spec.mla else StandardKV)(views, spec)
+
+
+def random_rows(spec: PagedSpec, n: int) -> torch.Tensor:
+    """Rows as the worker moves them: ``[L, 2, n, H, D]`` (GQA) or latent rows ``[L, n, C]``."""
+    shape = (L, n, spec.content) if spec.mla else (L, 2, n, spec.num_heads, spec.head_size)
+    return torch.randint(1, 100, shape).to(spec.dtype)
+
+
+def cell_row(spec: PagedSpec, rows: torch.Tensor, layer: int, i: int, h: int) -> list[float]:
+    """Row ``i``'s content of head ``h`` as the cell holds it: [K | V] (GQA) or the latent row."""
+    if spec.mla:
+        return rows[layer, i].float().tolist()
+    return torch.cat((rows[layer, 0, i, h], rows[layer, 1, i, h])).float().tolist()
+
+
+def assert_cells(spec: PagedSpec, raw: torch.Tensor, st: list[int], table: torch.Tensor, positions: list[int],
+                 rows: torch.Tensor) -> None:
+    """Every cell of ``positions`` holds its row (by stride arithmetic on the flat buffer, one
+    token at a time), and nothing else was written."""
+    written = 0
+    for layer in range(L):
+        for i, pos in enumerate(positions):
+            block, tok = table[pos // BS].item(), pos % BS
+            for h in range(spec.num_heads):
+                got = [reference_cell(raw, st, layer, block, h, tok, c) for c in range(spec.content)]
+                assert got == cell_row(spec, rows, layer, i, h), (layer, i, h)
+                written += spec.content
+    assert int((raw != 0).sum()) == written
+
+
 #: (start, n) of the run: partial head + whole blocks + partial tail; whole blocks only; inside one
 #: block; a whole block then a partial tail
 RUNS = ((3, 10), (0, 8), (1, 2), (4, 5))
@@ -64,48 +96,37 @@ RUNS = ((3, 10), (0, 8), (1, 2), (4, 5))
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_load_and_gather_match_the_reference(layout, dtype, kind, start, n):
+def test_scatter_and_gather_match_the_reference(layout, dtype, kind, start, n):
+    """The worker's copies (``StandardKV`` / ``LatentKV``: ``scatter`` for loads, ``gather`` for
+    Stores) put each row in its cell and read the same rows back."""
     spec = spec_of(kind, dtype)
     raw, views, st = build(spec, LAYOUTS[layout])
-    for v in views:
-        spec.check_view(v)
+    cache = cache_of(spec, views)
     table = torch.tensor([5, 2, 6, 0], dtype=torch.int64)  # a request's blocks, out of order
-    run = Run.of(table, start, n, BS)
-    layout_p = spec.payload_layout(L)
-    payload = torch.randint(1, 100, (layout_p.bytes_per_token * n // dtype.itemsize,), dtype=torch.int32).to(dtype)
-    payload = payload.view(torch.uint8)
-    load_(views, spec, payload, run)
-
-    pv = decode_payload(payload, layout_p, n)
-    slices = spec.slices()
-    written = 0
-    for layer in range(L):
-        for p, (lo, hi) in enumerate(slices):
-            src = pv.parts[layer * len(slices) + p].tensor
-            for i in range(n):
-                pos = start + i
-                block, tok = table[pos // BS].item(), pos % BS
-                for h in range(spec.num_heads):
-                    row = src[i] if spec.mla else src[i, h]
-                    got = [reference_cell(raw, st, layer, block, h, tok, c) for c in range(lo, hi)]
-                    assert got == row.float().tolist(), (layer, p, i, h)
-                    written += hi - lo
-    assert int((raw != 0).sum()) == written  # nothing outside the run's cells changed
-
-    back = save(views, spec, run)
-    assert torch.equal(back, payload)
+    positions = torch.arange(start, start + n)
+    rows = random_rows(spec, n)
+    cache.scatter(rows, table, positions)
+    assert_cells(spec, raw, st, table, positions.tolist(), rows)
+    assert torch.equal(cache.gather(table, positions), rows)
 
 
-def test_gather_into_a_caller_buffer_and_a_single_token():
-    """A bytes payload in, a bytearray out (``decode_payload``'s inputs), one token in one block."""
-    spec = spec_of("gqa", torch.bfloat16)
-    _, views, _ = build(spec, LAYOUTS["BLNHC"])
-    run = Run.of(torch.tensor([4], dtype=torch.int64), 2, 1, BS)
-    rows = torch.arange(spec.payload_layout(L).bytes_per_token, dtype=torch.uint8)
-    load_(views, spec, rows.numpy().tobytes(), run)
-    out = bytearray(len(rows))
-    gather(views, spec, run, out)
-    assert bytes(out) == rows.numpy().tobytes()
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("layout", ["LBHNC", "BLNHC", "BHLNC"])
+def test_gather_reads_positions_in_several_runs(layout, kind):
+    """A Store job's chunks need not be contiguous: ``gather`` of positions in three runs (one
+    token inside a block, a run over a whole block, a run ending mid-block), in the given order,
+    equals the rows scattered there."""
+    spec = spec_of(kind, torch.bfloat16)
+    raw, views, st = build(spec, LAYOUTS[layout])
+    cache = cache_of(spec, views)
+    table = torch.tensor([5, 2, 6, 0], dtype=torch.int64)
+    positions = torch.tensor([1, 3, 4, 5, 6, 7, 8, 9, 13, 14])
+    assert [(r, s, k) for r, s, k in runs(positions)] == [(0, 1, 1), (1, 3, 7), (8, 13, 2)]
+    rows = random_rows(spec, len(positions))
+    cache.scatter(rows, table, positions)
+    assert_cells(spec, raw, st, table, positions.tolist(), rows)
+    assert torch.equal(cache.gather(table, positions), rows)
+    assert torch.equal(cache.gather(table, positions.flip(0)), rows.flip(cache.token_axis))
 
 
 @pytest.mark.parametrize("change, why", [
@@ -117,8 +138,9 @@ def test_gather_into_a_caller_buffer_and_a_single_token():
 ])
 def test_refused_groups_name_what_and_why(change, why):
     fields = {"num_kv_heads": 2, "head_size": 8, "dtype": torch.bfloat16, "block_size": BS, **change}
-    with pytest.raises(UnsupportedLayout, match=why):
+    with pytest.raises(UnsupportedLayout, match=why) as info:
         PagedSpec.from_vllm(SimpleNamespace(**fields), mla=False)
+    assert isinstance(info.value, Refused)  # the connector's one refusal mechanism (refusals.py)
 
 
 def test_mla_needs_one_latent_row_and_its_rope_part():
@@ -128,8 +150,9 @@ def test_mla_needs_one_latent_row_and_its_rope_part():
     with pytest.raises(UnsupportedLayout, match="heads"):
         PagedSpec.from_vllm(SimpleNamespace(**{**ok, "num_kv_heads": 2}), mla=True, rope_dim=4)
     spec = PagedSpec.from_vllm(SimpleNamespace(**ok), mla=True, rope_dim=4)
-    assert spec.slices() == ((0, 8), (8, 12))
-    assert [p.name for p in spec.payload_layout(2).parts] == ["c_kv", "k_pe"]
+    assert (spec.content, spec.rope_dim) == (12, 4)
+    with pytest.raises(UnsupportedLayout, match="GQA"):
+        StandardKV(build(spec, LAYOUTS["LBHNC"])[1], spec)
 
 
 def test_a_view_of_another_shape_is_refused():
@@ -138,19 +161,35 @@ def test_a_view_of_another_shape_is_refused():
         spec.check_view(torch.zeros(B, BS, 2, 16, dtype=torch.float16))  # NHD without the view
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_standard_kv_moves_rows_like_the_cpu_paged_cache_interface(layout):
-    """``StandardKV`` (the worker's cache on non-CPU devices) scatters ``[L, 2, n, H, D]`` rows at
-    token positions and gathers the same rows back, in every layout; the cells it writes are the
-    ones ``load_`` writes for the same payload."""
-    spec = spec_of("gqa", torch.float16)
-    _, views, _ = build(spec, LAYOUTS[layout])
-    _, ref_views, _ = build(spec, LAYOUTS[layout])
-    kv = StandardKV(views, spec)
-    table = torch.tensor([3, 6, 1, 0], dtype=torch.int64)
-    positions = torch.arange(2, 13, dtype=torch.int64)
-    rows = torch.randint(1, 50, (L, 2, len(positions), spec.num_heads, spec.head_size)).to(torch.float16)
-    kv.scatter(rows, table, positions)
-    assert torch.equal(kv.gather(table, positions), rows)
-    load_(ref_views, spec, rows.contiguous().view(torch.uint8).view(-1), Run.of(table, 2, len(positions), BS))
-    assert all(torch.equal(a, b) for a, b in zip(views, ref_views))
+def test_the_layouts_bench_times_the_workers_own_copies(monkeypatch, tmp_path):
+    """``./dev bench vllm_layouts`` times the methods ``WorkerSide`` calls (``scatter`` for loads,
+    ``gather`` for Stores), in every layout, GQA and MLA: counted here on a tiny cache."""
+    import json
+
+    from bench import vllm_layouts
+
+    calls: dict[tuple[str, str], int] = {}
+
+    def counting(cls: type, name: str) -> None:
+        real = getattr(cls, name)
+
+        def spy(self, *args, **kwargs):
+            calls[(cls.__name__, name)] = calls.get((cls.__name__, name), 0) + 1
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, spy)
+
+    for cls in (StandardKV, LatentKV):
+        counting(cls, "scatter")
+        counting(cls, "gather")
+    monkeypatch.setattr(vllm_layouts, "RESULTS", tmp_path)
+    monkeypatch.setattr(vllm_layouts, "LAYERS", 2)
+    monkeypatch.setattr(vllm_layouts, "BLOCKS", 16)
+    monkeypatch.setattr(vllm_layouts, "RUN_TOKENS", 64)
+    assert vllm_layouts.main(["--reps", "1"]) == 0
+    doc = json.loads((tmp_path / "vllm_layouts.json").read_text())
+    assert {(r["kind"], r["layout"]) for r in doc["rows"]} == {(k, name) for k in ("gqa", "mla") for name in LAYOUTS}
+    per_layout = 3  # interleaved rounds, one rep each
+    for cls in ("StandardKV", "LatentKV"):
+        assert calls[(cls, "scatter")] == per_layout * len(LAYOUTS), calls
+        assert calls[(cls, "gather")] == (per_layout + 1) * len(LAYOUTS), calls  # + the correctness check
