@@ -224,12 +224,14 @@ class DataPlane(FetchPath, HeldPath):
         register_from: int,
     ) -> tuple[list[ChunkEntry], int]:
         """The entries a Store of ``tokens`` would register (every chunk at or after
-        ``register_from``, fresh objects, nothing registered) and the end of the last one. A
+        ``register_from``, fresh objects, nothing registered; an occurrence computed after
+        another left context than its chunk's held copy keyed as another copy of it,
+        ``ChunkIndex.copy_keys``) and the end of the last one. A
         payload part may only name one of their ``source_pos``, with ``num_tokens x
         layout.bytes_per_token`` bytes in all. Raises FailedPrecondition if ``identity`` does
         not name ``layout``."""
         check_layout(identity, layout)
-        return self.index.entries(tokens, data, identity, scope, register_from=register_from)
+        return self.index.entries(tokens, data, identity, scope, register_from=register_from, copies=True)
 
     async def store_payloads(
         self,
@@ -388,13 +390,18 @@ class DataPlane(FetchPath, HeldPath):
     # ------------------------------------------------------------------ fetch
 
     def owned_keys(self, tenant: str, hashes: Sequence[int], may_write_shared: bool) -> list[int]:
+        """The keys of ``hashes`` that ``tenant`` may evict or delete, each with every other copy
+        of its chunk (the same tokens computed after other left contexts): Evict and Delete act
+        on a chunk's content wherever it was stored. Each key once, in order."""
         reg = self.index.registry
-        out = []
+        out: dict[int, None] = {}
         for h in hashes:
             e = reg.peek(h)
             if e is not None and (e.scope == tenant or (e.scope == SHARED_SCOPE and may_write_shared)):
-                out.append(h)
-        return out
+                out[h] = None
+                for k in reg.copies(h):
+                    out[k] = None
+        return list(out)
 
     async def evict(self, hashes: Sequence[int], tier: str) -> int:
         keys = [chunk_key(h) for h in hashes]

@@ -41,7 +41,7 @@ import numpy as np
 
 from sidecar.identity import SHARED_SCOPE, CacheIdentity
 from sidecar.registry import lookup_kernel
-from sidecar.registry.chunker import ChunkerConfig, Chunks, chunk_tokens
+from sidecar.registry.chunker import ChunkerConfig, Chunks, chunk_tokens, variant_keys
 from sidecar.registry.entry import ChunkEntry, ChunkHash, EntryState
 from sidecar.registry.entry_table import U_KEY, EntryTable
 from sidecar.registry.lookup_plan import (
@@ -118,9 +118,12 @@ class ChunkIndex:
         self._seeds: dict[tuple[int, str, bool], np.ndarray] = {}
 
     def announce(self, identity: CacheIdentity, entries: list[ChunkEntry]) -> None:
-        """Report newly registered ``entries`` to ``on_new_chunks`` (if set)."""
-        if entries and self.on_new_chunks is not None:
-            self.on_new_chunks(identity, entries)
+        """Report newly registered ``entries`` to ``on_new_chunks`` (if set): canonical copies
+        only (a manifest line's key is its tokens' chunk key; another copy's is not)."""
+        if self.on_new_chunks is not None:
+            entries = [e for e in entries if not e.base_key]
+            if entries:
+                self.on_new_chunks(identity, entries)
 
     def chunk(self, tokens: np.ndarray, identity: CacheIdentity, scopes: tuple[str, ...]) -> Chunks:
         seeds = [identity.scope_seed(s) for s in scopes]
@@ -227,12 +230,17 @@ class ChunkIndex:
         scope = q.scope
         get_many = reg.get_many if view is None else (lambda keys: list(map(view, keys)))
         cands = get_many(chunks.fingerprints[0, c0:].tolist())
+        # the copy of each chunk computed after this very left context, where one is held
+        vkeys = variant_keys(chunks)
+        copies = get_many(vkeys[0, c0:].tolist())
         if len(scopes) > 1:
             shared = get_many(chunks.fingerprints[1, c0:].tolist())
             cands = [o if o is not None else s for o, s in zip(cands, shared)]
+            shared = get_many(vkeys[1, c0:].tolist())
+            copies = [o if o is not None else s for o, s in zip(copies, shared)]
         summary.chunks_total = len(cands)
         # Only candidate hits are visited; the gaps between them become PREFILL rows.
-        idx = [j for j, e in enumerate(cands) if e is not None]
+        idx = [j for j, (e, v) in enumerate(zip(cands, copies)) if e is not None or v is not None]
         prefix = chunks.prefix_digests[c0:].tolist() if idx else ()
 
         data = q.data
@@ -251,22 +259,32 @@ class ChunkIndex:
         last_end = -1
         last_exact = False
         for j in idx:
-            entry = cands[j]
-            if (entry.scope != scope and entry.scope != SHARED_SCOPE) or (
-                not serve_observed and entry.state is not resident
-            ):
-                continue
             a = bl[j]
             b = bl[j + 1]
             piece = data[4 * a : 4 * b]
-            if entry.tokens != piece and not reg.verify(entry, piece):
-                continue
-            exact = entry.source_pos == a and entry.prefix_digest == prefix[j]
-            if not exact:
-                if exact_only:
+            entry = copies[j]
+            if entry is not None and (
+                (entry.scope != scope and entry.scope != SHARED_SCOPE) or (not serve_observed and entry.state is not resident)
+                or not (entry.tokens == piece or reg.verify(entry, piece))
+                or entry.source_pos != a or entry.prefix_digest != prefix[j]
+            ):
+                entry = None
+            if entry is not None:
+                exact = True  # the copy computed after this left context: preferred
+            else:
+                entry = cands[j]
+                if entry is None or (entry.scope != scope and entry.scope != SHARED_SCOPE) or (
+                    not serve_observed and entry.state is not resident
+                ):
                     continue
-                if window and data[4 * max(0, a - window) : 4 * a] != entry.left_context[-4 * window :]:
+                if entry.tokens != piece and not reg.verify(entry, piece):
                     continue
+                exact = entry.source_pos == a and entry.prefix_digest == prefix[j]
+                if not exact:
+                    if exact_only:
+                        continue
+                    if window and data[4 * max(0, a - window) : 4 * a] != entry.left_context[-4 * window :]:
+                        continue
             if (a == last_end and entry.source_pos == last.source_pos + last.num_tokens and entry.scope == last.scope
                     and ((exact and last_exact) or (last.next_digest and entry.prefix_digest == last.next_digest))):
                 group.append([a, b, entry, 0, exact, True])
@@ -384,13 +402,21 @@ class ChunkIndex:
         *,
         register_from: int = 0,
         state: EntryState = EntryState.OBSERVED,
+        copies: bool = False,
     ) -> tuple[list[ChunkEntry], int]:
         """Registry entries for every chunk of ``tokens`` starting at or after ``register_from``
-        (in order), and the end of the last one. Nothing is registered."""
+        (in order), and the end of the last one. Nothing is registered.
+
+        Keyed by chunk key (a chunk's content, as claims name it), or with ``copies`` (what a
+        Store registers) by the copy each occurrence will be (``copy_keys``): the chunk key
+        where it is (or becomes) the chunk's canonical copy, else the key of its copy computed
+        after this left context (``base_key`` set). Links name the neighbours' keys as the
+        entries are keyed."""
         chunks = self.chunk(tokens, identity, (scope,))
         bounds = chunks.bounds.tolist()
-        keys = chunks.fingerprints[0].tolist()
+        base = chunks.fingerprints[0].tolist()
         prefix = chunks.prefix_digests.tolist()
+        keys = self.copy_keys(chunks) if copies else base
         ctx = self.registry.config.left_context_tokens
         last = len(keys) - 1
         out: list[ChunkEntry] = []
@@ -412,9 +438,36 @@ class ChunkIndex:
                     prev_key=keys[c - 1] if c else 0,
                     next_key=keys[c + 1] if c < last else 0,
                     next_digest=prefix[c + 1] if c < last else chunks.end_digest,
+                    base_key=base[c] if key != base[c] else 0,
                 )
             )
         return out, bounds[-1]
+
+    def copy_keys(self, chunks: Chunks) -> list[int]:
+        """The key each chunk of a sequence (chunked for one scope) is registered under.
+
+        A chunk's first stored copy is canonical and keyed by the chunk key. An occurrence
+        whose left context differs (another prefix digest) from the canonical copy's is another
+        copy, keyed ``variant_key(chunk key, prefix digest)``, when the canonical copy holds
+        KV (RESIDENT) or is an earlier occurrence of this same sequence; otherwise (the chunk
+        unknown, or known here as metadata only) this occurrence becomes canonical. With
+        ``registry.copies_per_chunk`` 1 every chunk is keyed by its chunk key."""
+        base = chunks.fingerprints[0].tolist()
+        if self.registry.config.copies_per_chunk <= 1:
+            return base
+        prefix = chunks.prefix_digests.tolist()
+        variants = variant_keys(chunks)[0].tolist()
+        peek = self.registry.peek
+        resident = EntryState.RESIDENT
+        canonical: dict[int, int] = {}  # chunk key -> the prefix digest of its canonical copy
+        out = []
+        for k, p, v in zip(base, prefix, variants):
+            at = canonical.get(k)
+            if at is None:
+                e = peek(k)
+                at = canonical[k] = e.prefix_digest if e is not None and e.state is resident else p
+            out.append(k if at == p else v)
+        return out
 
     def register(
         self,
@@ -432,7 +485,8 @@ class ChunkIndex:
         digests are the same ones a later Lookup computes. Idempotent: re-registering a chunk
         refreshes its recency and keeps its canonical source position.
         """
-        entries, end = self.entries(tokens, data, identity, scope, register_from=register_from, state=state)
+        entries, end = self.entries(tokens, data, identity, scope, register_from=register_from, state=state,
+                                    copies=True)
         new = [entry for entry in entries if self.registry.insert(entry)]
         added = len(new)
         self.announce(identity, new)

@@ -40,7 +40,7 @@ import numba
 import numpy as np
 import xxhash
 
-from sidecar.registry.entry import MASK64, P1, P2, chain_reference
+from sidecar.registry.entry import MASK64, P1, P2, VARIANT_SEED, chain_reference
 
 P3 = 0x165667B19E3779F9
 P4 = 0x85EBCA77C2B2AE63
@@ -422,7 +422,32 @@ def chunk_tokens(tokens: np.ndarray, config: ChunkerConfig, seeds: Sequence[int]
     return Chunks(bounds, fps, prefix, int(end))
 
 
+_VS = _U(VARIANT_SEED)
+
+
+@numba.njit(inline="always")
+def _variant(chunk_key, prefix_digest):
+    """``entry.variant_key`` (the planners inline it)."""
+    return _chain(prefix_digest ^ _VS, chunk_key)
+
+
+@numba.njit(cache=True, nogil=True)
+def _variant_keys(fps, prefix):
+    out = np.empty_like(fps)
+    for s in range(fps.shape[0]):
+        for c in range(fps.shape[1]):
+            out[s, c] = _variant(fps[s, c], prefix[c])
+    return out
+
+
+def variant_keys(chunks: Chunks) -> np.ndarray:
+    """uint64 ``[n_seeds, n_chunks]``: per scope and chunk, the key of the chunk's copy computed
+    after this very left context (``entry.variant_key(fingerprint, prefix digest)``), which a
+    registry holds when that chunk was stored after other text first (its other copies)."""
+    return _variant_keys(chunks.fingerprints, chunks.prefix_digests)
+
+
 def warmup(config: ChunkerConfig | None = None) -> None:
     """Compile (or load from numba's cache) the kernel before the first request."""
     cfg = config or ChunkerConfig()
-    chunk_tokens(np.arange(600, dtype=np.uint32), cfg, [1, 2], 3)
+    variant_keys(chunk_tokens(np.arange(600, dtype=np.uint32), cfg, [1, 2], 3))

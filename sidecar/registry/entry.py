@@ -1,4 +1,5 @@
-"""What the registry stores per chunk: ``ChunkEntry``, its key type and state, the token digest.
+"""What the registry stores per chunk: ``ChunkEntry``, its key type and state, the token digest,
+and the key of a chunk's copy computed after another left context (``variant_key``).
 
 Kept apart from ``registry`` (the LRU map of entries) so that ``entry_table`` (the flat mirror
 the compiled planner reads) and the Lookup planners share these types without importing the
@@ -57,6 +58,11 @@ class ChunkEntry:
     prev_key: int = 0
     next_key: int = 0
     next_digest: int = 0
+    #: 0 for a chunk's canonical copy (its first stored one, keyed by the chunk key: the source
+    #: of every rotated hit); for another copy of the same tokens computed after another left
+    #: context, the chunk key it is a copy of (its own key is ``variant_key(base_key,
+    #: prefix_digest)``). Registries bound the copies of one chunk (``copies_per_chunk``).
+    base_key: int = 0
 
     def __post_init__(self) -> None:
         if not self.num_tokens:
@@ -90,3 +96,17 @@ def chain_reference(prev: int, chunk_hash: int) -> int:
     x ^= x >> 29
     x = (x * P2) & MASK64
     return x ^ (x >> 32)
+
+
+#: mixed into a left-context digest before it keys a copy (``variant_key``): a copy's key is
+#: never the chain step that makes prefix digests or chunk keys
+VARIANT_SEED = 0x636F70792D6B6579  # "copy-key"
+
+
+def variant_key(chunk_key: int, prefix_digest: int) -> int:
+    """The key of the copy of chunk ``chunk_key`` computed after the left context whose chained
+    digest is ``prefix_digest`` (a chunk's copies other than its canonical one). Scope-salted
+    like the chunk key it mixes (a tenant cannot name another tenant's copy), position-free
+    (the digest already names the whole left context). ``chunker.variant_keys`` computes the
+    same for a whole prompt; hits are token-verified as for any key."""
+    return chain_reference(prefix_digest ^ VARIANT_SEED, chunk_key)

@@ -10,8 +10,10 @@ holds what the planner reads in flat arrays a compiled kernel walks without the 
 
     slots (one row per registered entry; freed rows are reused)
       su      uint64 [cap, 5]  key, prefix_digest, next_digest, prev_key, next_key   (U_*)
-      si      int64  [cap, 6]  scope id, resident, source_pos, num_tokens,
-                               arena offset, token count (-1: tokens not known yet)   (I_*)
+      si      int64  [cap, 7]  scope id, resident, source_pos, num_tokens,
+                               arena offset, token count (-1: tokens not known yet),
+                               copy (1: another copy of a chunk, ``ChunkEntry.base_key``;
+                               its windows are not seeded: the canonical copy's are)  (I_*)
 
     arena   uint32 [acap]      every entry's tokens, appended; compacted when garbage (tokens
                                of deleted entries) outweighs live tokens; grows by doubling
@@ -32,7 +34,7 @@ recorded: the registry does it in ``insert``, ``update``, ``link``, ``set_state`
 else are not seen by the compiled planner.
 
 Memory, outside ``registry.capacity_bytes``: ``4 x tokens`` bytes of arena per entry (a second
-copy of ``ChunkEntry.tokens``), 96 bytes of slot arrays, 32-64 bytes of hash table and 32-64
+copy of ``ChunkEntry.tokens``), 104 bytes of slot arrays, 32-64 bytes of hash table and 32-64
 bytes per seed (``seeds``: one per ``registry.seed_interval`` tokens); every array grows by
 doubling (100K entries of 128 tokens: 80 MiB, and 13-25 MiB of seeds at interval 32).
 
@@ -53,10 +55,10 @@ from sidecar.registry.seeds import ROW_BITS, SEED_TOKENS, seed_key, windows
 #: ``su`` columns (uint64)
 U_KEY, U_PREFIX, U_NEXT_DIGEST, U_PREV, U_NEXT = range(5)
 #: ``si`` columns (int64)
-I_SCOPE, I_RESIDENT, I_POS, I_NTOK, I_OFF, I_LEN = range(6)
+I_SCOPE, I_RESIDENT, I_POS, I_NTOK, I_OFF, I_LEN, I_COPY = range(7)
 
-#: log record: op, key, then 9 operand fields
-_REC = 11
+#: log record: op, key, then 10 operand fields
+_REC = 12
 OP_ADD, OP_PUT, OP_TOKENS, OP_DEL = 1, 2, 3, 4
 
 #: apply the log once it holds this many records even if no Lookup asked for the arrays
@@ -215,7 +217,7 @@ def _apply(log, toks, ht_key, ht_slot, su, si, arena, free, ctr, sd_key, sd_val,
         b = r * _REC
         op = log[b]
         key = log[b + 1]
-        if op == 1:  # add: scope, resident, pos, ntok, prefix, next_digest, prev, next, len + 1
+        if op == 1:  # add: scope, resident, pos, ntok, prefix, next_digest, prev, next, len + 1, copy
             if ctr[2] > 0:
                 ctr[2] -= 1
                 s = free[ctr[2]]
@@ -236,15 +238,18 @@ def _apply(log, toks, ht_key, ht_slot, su, si, arena, free, ctr, sd_key, sd_val,
             ln = np.int64(log[b + 10]) - 1
             si[s, I_LEN] = ln
             si[s, I_OFF] = ctr[3]
+            si[s, I_COPY] = np.int64(log[b + 11])
             if ln > 0:
                 arena[ctr[3] : ctr[3] + ln] = toks[t : t + ln]
                 ctr[3] += ln
                 t += ln
-                sd_key, sd_val = _seed_add(sd_key, sd_val, arena, s, si, bits, ctr)
-        elif op == 2:  # put: resident, pos, prefix, next_digest, prev, next
+                if si[s, I_COPY] == 0:
+                    sd_key, sd_val = _seed_add(sd_key, sd_val, arena, s, si, bits, ctr)
+        elif op == 2:  # put: resident, pos, prefix, next_digest, prev, next, copy
             s = find_slot(ht_key, ht_slot, key)
             if s < 0:
                 continue
+            si[s, I_COPY] = np.int64(log[b + 11])
             si[s, I_RESIDENT] = np.int64(log[b + 3])
             si[s, I_POS] = np.int64(log[b + 4])
             su[s, U_PREFIX] = log[b + 6]
@@ -259,7 +264,8 @@ def _apply(log, toks, ht_key, ht_slot, su, si, arena, free, ctr, sd_key, sd_val,
                 si[s, I_LEN] = ln
                 arena[ctr[3] : ctr[3] + ln] = toks[t : t + ln]
                 ctr[3] += ln
-                sd_key, sd_val = _seed_add(sd_key, sd_val, arena, s, si, bits, ctr)
+                if si[s, I_COPY] == 0:
+                    sd_key, sd_val = _seed_add(sd_key, sd_val, arena, s, si, bits, ctr)
             t += ln if ln > 0 else 0
         elif op == 4:  # delete
             s = _ht_delete(ht_key, ht_slot, key)
@@ -267,6 +273,7 @@ def _apply(log, toks, ht_key, ht_slot, su, si, arena, free, ctr, sd_key, sd_val,
                 continue
             ctr[0] -= 1
             if si[s, I_LEN] > 0:
+                # (a copy may own windows: seeded before it was known as one)
                 _seed_remove(sd_key, sd_val, arena, s, si, bits, ctr)
                 ctr[4] += si[s, I_LEN]
             si[s, I_SCOPE] = -1
@@ -290,7 +297,7 @@ class EntryTable:
         self.ht_key = np.zeros(2 * cap, dtype=np.uint64)
         self.ht_slot = np.full(2 * cap, _EMPTY, dtype=np.int64)
         self.su = np.zeros((cap, 5), dtype=np.uint64)
-        self.si = np.full((cap, 6), -1, dtype=np.int64)
+        self.si = np.full((cap, 7), -1, dtype=np.int64)
         self.free = np.zeros(cap, dtype=np.int64)
         self.arena = np.zeros(16 * cap, dtype=np.uint32)
         self.sd_key = np.zeros(2 * cap, dtype=np.uint64)
@@ -316,16 +323,16 @@ class EntryTable:
         tokens = entry.tokens
         self._log.extend((OP_ADD, entry.key, self.scope_id(entry.scope), resident, entry.source_pos,
                           entry.num_tokens, entry.prefix_digest, entry.next_digest, entry.prev_key, entry.next_key,
-                          len(tokens) // 4 + 1 if tokens else 0))
+                          len(tokens) // 4 + 1 if tokens else 0, 1 if entry.base_key else 0))
         self._toks += tokens
         self._adds += 1
         if len(self._log) >= SYNC_RECORDS * _REC:
             self.sync()
 
     def put(self, entry: ChunkEntry, resident: bool) -> None:
-        """Record a registered entry's new state, position, prefix digest or links."""
+        """Record a registered entry's new state, position, prefix digest, links or copy flag."""
         self._log.extend((OP_PUT, entry.key, 0, resident, entry.source_pos, 0, entry.prefix_digest,
-                          entry.next_digest, entry.prev_key, entry.next_key, 0))
+                          entry.next_digest, entry.prev_key, entry.next_key, 0, 1 if entry.base_key else 0))
         if len(self._log) >= SYNC_RECORDS * _REC:
             self.sync()
 
@@ -334,14 +341,14 @@ class EntryTable:
         tokens = entry.tokens
         if not tokens:
             return
-        self._log.extend((OP_TOKENS, entry.key, 0, 0, 0, 0, 0, 0, 0, 0, len(tokens) // 4 + 1))
+        self._log.extend((OP_TOKENS, entry.key, 0, 0, 0, 0, 0, 0, 0, 0, len(tokens) // 4 + 1, 0))
         self._toks += tokens
         if len(self._log) >= SYNC_RECORDS * _REC:
             self.sync()
 
     def remove(self, key: int) -> None:
         """Record that ``key`` left the registry."""
-        self._log.extend((OP_DEL, key, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+        self._log.extend((OP_DEL, key, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
         if len(self._log) >= SYNC_RECORDS * _REC:
             self.sync()
 
@@ -369,7 +376,7 @@ class EntryTable:
             new = max(2 * cap, 1 << (high + adds - 1).bit_length())
             su = np.zeros((new, 5), dtype=np.uint64)
             su[:cap] = self.su
-            si = np.full((new, 6), -1, dtype=np.int64)
+            si = np.full((new, 7), -1, dtype=np.int64)
             si[:cap] = self.si
             free = np.zeros(new, dtype=np.int64)
             free[:cap] = self.free

@@ -4,8 +4,11 @@
 chunk); this module computes the same plan in one numba call, with no Python per chunk::
 
     tokens ──CDC + fingerprints (chunker kernels)──> bounds, keys (own, shared), prefix digests
-    per chunk past the engine prefix:  probe the hash table (own key, else shared key)
-        scope / state filter, verify tokens against the arena, exact check, admission, grouping
+    per chunk past the engine prefix:  probe the hash table for the chunk's copy computed after
+        this left context (``entry.variant_key``; own key, else shared key): scope / state
+        filter, tokens verified, same position and prefix digest -> an EXACT hit from it; else
+        the chunk key (own, else shared): scope / state filter, verify tokens against the
+        arena, exact check, admission; then grouping
     shaping (``shaping_kernel``): coalesce, extend into stored neighbours (links), boundary
         repair (segment start, and every stored chunk's first row with repair_chunks),
         carve-out, folding
@@ -34,7 +37,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from sidecar.registry.chunker import ChunkerConfig, Chunks, _boundaries, _digests, chunk_tokens
+from sidecar.registry.chunker import ChunkerConfig, Chunks, _boundaries, _digests, _variant, chunk_tokens
 from sidecar.registry.entry import ChunkEntry, ChunkHash
 from sidecar.registry.entry_table import (
     I_LEN,
@@ -194,27 +197,50 @@ def plan_chunks(tok, bounds, fps, prefix, epl, own_sid, shared_sid, exact_only, 
     last_exact = False
     vfail = 0
     for j in range(c0, nck):
-        s = find_slot(ht_key, ht_slot, fps[0, j])
-        if s < 0 and nseeds > 1:
-            s = find_slot(ht_key, ht_slot, fps[1, j])
-        if s < 0:
-            continue
-        sc = si[s, I_SCOPE]
-        if (sc != own_sid and sc != shared_sid) or (not serve_observed and si[s, I_RESIDENT] == 0):
-            continue
         a = bounds[j]
         b = bounds[j + 1]
-        ln = si[s, I_LEN]
-        if ln <= 0:
-            header[H_STATUS] = FALLBACK
-            return header
-        off = si[s, I_OFF]
-        if ln != b - a or _leading(tok[a:b], arena[off : off + ln], ln) != ln:
-            vfail += 1
-            continue
-        exact = si[s, I_POS] == a and su[s, U_PREFIX] == prefix[j]
-        if not exact and exact_only:
-            continue
+        # the copy computed after this very left context, when one is held: an EXACT hit
+        s = find_slot(ht_key, ht_slot, _variant(fps[0, j], prefix[j]))
+        if s < 0 and nseeds > 1:
+            s = find_slot(ht_key, ht_slot, _variant(fps[1, j], prefix[j]))
+        if s >= 0:
+            sc = si[s, I_SCOPE]
+            if (sc != own_sid and sc != shared_sid) or (not serve_observed and si[s, I_RESIDENT] == 0):
+                s = -1
+            else:
+                ln = si[s, I_LEN]
+                if ln <= 0:
+                    header[H_STATUS] = FALLBACK
+                    return header
+                off = si[s, I_OFF]
+                if ln != b - a or _leading(tok[a:b], arena[off : off + ln], ln) != ln:
+                    vfail += 1
+                    s = -1
+                elif si[s, I_POS] != a or su[s, U_PREFIX] != prefix[j]:
+                    s = -1
+        if s >= 0:
+            sc = si[s, I_SCOPE]
+            exact = True
+        else:
+            s = find_slot(ht_key, ht_slot, fps[0, j])
+            if s < 0 and nseeds > 1:
+                s = find_slot(ht_key, ht_slot, fps[1, j])
+            if s < 0:
+                continue
+            sc = si[s, I_SCOPE]
+            if (sc != own_sid and sc != shared_sid) or (not serve_observed and si[s, I_RESIDENT] == 0):
+                continue
+            ln = si[s, I_LEN]
+            if ln <= 0:
+                header[H_STATUS] = FALLBACK
+                return header
+            off = si[s, I_OFF]
+            if ln != b - a or _leading(tok[a:b], arena[off : off + ln], ln) != ln:
+                vfail += 1
+                continue
+            exact = si[s, I_POS] == a and su[s, U_PREFIX] == prefix[j]
+            if not exact and exact_only:
+                continue
         if (a == last_end and si[s, I_POS] == si[last, I_POS] + si[last, I_NTOK] and sc == si[last, I_SCOPE]
                 and ((exact and last_exact)
                      or (su[last, U_NEXT_DIGEST] != _ZERO and su[s, U_PREFIX] == su[last, U_NEXT_DIGEST]))):

@@ -66,6 +66,14 @@ class RegistryConfig:
     #: ``lookup_kernel``; ~4 bytes a token and ~130 bytes a chunk more memory, outside
     #: ``capacity_bytes``). False: the Python planner only, no mirror. Plans are identical.
     compiled_lookup: bool = True
+    #: Stored copies of one chunk computed after different left contexts (the same text at
+    #: several positions of one history, or after another header): the first stored copy
+    #: (canonical: every rotated hit is served from it) and up to ``copies_per_chunk - 1`` more,
+    #: each under its own key (``entry.variant_key``) with its own payload, so that a Lookup
+    #: plans EXACT wherever an exact copy is held. Past the bound the least recently used other
+    #: copy (stored or served longest ago) goes, payload included; the canonical copy and
+    #: claimed copies stay. 1: the first stored copy only.
+    copies_per_chunk: int = 4
 
     def __post_init__(self) -> None:
         if self.capacity_entries <= 0:
@@ -81,6 +89,8 @@ class RegistryConfig:
         interval_bits(self.seed_interval)  # raises on a bad value
         if self.seed_min_tokens < 0:
             raise ValueError("registry.seed_min_tokens must be >= 0")
+        if not 1 <= self.copies_per_chunk <= 64:
+            raise ValueError(f"registry.copies_per_chunk must be in [1, 64], got {self.copies_per_chunk}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +98,7 @@ class RegistryEvent:
     kind: str  # "evicted"
     key: ChunkHash
     scope: str
-    reason: str  # "capacity_entries" | "capacity_bytes" | "scope_share" | "deleted"
+    reason: str  # "capacity_entries" | "capacity_bytes" | "scope_share" | "copies" | "deleted"
 
 
 @dataclass(slots=True)
@@ -115,6 +125,8 @@ class InMemoryRegistry:
         self._scope_entries: dict[str, int] = {}
         #: each scope's keys in recency order (evictions of a scope over its share)
         self._scope_lru: dict[str, OrderedDict[int, None]] = {}
+        #: a chunk's other copies (``ChunkEntry.base_key``) by its key, in recency order
+        self._copies: dict[int, OrderedDict[int, None]] = {}
         self.stats = RegistryStats()
         #: Keys LRU eviction must skip (claimed chunks); owned by the claims ledger.
         self.protected: set[int] = set()
@@ -183,6 +195,25 @@ class InMemoryRegistry:
     def entries(self) -> list[ChunkEntry]:
         """All entries, least recently used first."""
         return list(self._entries.values())
+
+    def copies(self, key: int) -> list[int]:
+        """The registered copies of the chunk ``key`` is a copy of (``key`` its canonical copy's
+        key or another copy's): the canonical copy first (when registered), then the others,
+        least recently used first; [] when ``key`` is not registered."""
+        e = self._entries.get(key)
+        if e is None:
+            return []
+        base = e.base_key or key
+        out = [base] if base in self._entries else []
+        return out + list(self._copies.get(base, ()))
+
+    def copy_at(self, key: int, source_pos: int) -> int:
+        """The key of a registered copy of chunk ``key`` (its canonical key) computed at
+        ``source_pos``: one of its other copies when one sits there, else ``key``."""
+        for k in self._copies.get(key, ()):
+            if self._entries[k].source_pos == source_pos:
+                return k
+        return key
 
     def set_state(self, entry: ChunkEntry, state: EntryState, tier: str | None) -> None:
         """Record where an entry's KV lives (``tier``; None with OBSERVED: nowhere). State and
@@ -268,6 +299,8 @@ class InMemoryRegistry:
         self.stats.hits += 1
         self._entries.move_to_end(entry.key)
         self._scope_lru[entry.scope].move_to_end(entry.key)
+        if entry.base_key:
+            self._copies[entry.base_key].move_to_end(entry.key)
 
     def touch_many(self, keys: list[int]) -> None:
         """``touch`` each registered entry of ``keys``, in order (a key may repeat: one hit
@@ -276,12 +309,15 @@ class InMemoryRegistry:
         entries = self._entries
         move = entries.move_to_end
         lrus = self._scope_lru
+        copies = self._copies
         for key in keys:
             entry = entries[key]
             entry.hits += 1
             entry.last_seen = now
             move(key)
             lrus[entry.scope].move_to_end(key)
+            if entry.base_key:
+                copies[entry.base_key].move_to_end(key)
         self.stats.hits += len(keys)
 
     def insert(self, entry: ChunkEntry) -> bool:
@@ -291,7 +327,10 @@ class InMemoryRegistry:
         ``source_pos`` and context (stored KV is always rotated from its source position) and
         only moves to the most-recent end. An existing entry whose tokens differ (a 64-bit
         collision) is left alone and the insert is refused (counted as a verify failure).
-        Evicts least-recently-used entries until both capacities hold.
+        A copy of another chunk (``base_key``) counts against that chunk's
+        ``copies_per_chunk``: past it, the least recently used other copy that is not claimed
+        is evicted (reason ``copies``). Evicts least-recently-used entries until both
+        capacities hold.
         """
         old = self._entries.get(entry.key)
         if old is not None:
@@ -305,6 +344,14 @@ class InMemoryRegistry:
                 self._relink(old, entry.prev_key, entry.next_key, entry.next_digest)
             self._entries.move_to_end(entry.key)
             self._scope_lru[old.scope].move_to_end(entry.key)
+            if old.base_key:
+                self._copies[old.base_key].move_to_end(entry.key)
+            elif entry.base_key and entry.base_key != old.key:
+                # known here as a record only (records name no chunk of a copy): a copy now
+                old.base_key = entry.base_key
+                if self.table is not None:
+                    self.table.put(old, old.state is EntryState.RESIDENT)
+                self._add_copy(old)
             return False
         if entry.nbytes > self.config.capacity_bytes:
             return False
@@ -317,12 +364,35 @@ class InMemoryRegistry:
         self.stats.inserts += 1
         if self.observer is not None:
             self.observer(entry, None, None, False)
+        if entry.base_key:
+            self._add_copy(entry)
         self._evict_to_capacity(entry.scope)
         return True
+
+    def _add_copy(self, entry: ChunkEntry) -> None:
+        """Count a registered copy against its chunk's bound (``copies_per_chunk``); past it,
+        evict the least recently used other copies that are not claimed (never ``entry``)."""
+        others = self._copies.setdefault(entry.base_key, OrderedDict())
+        others[entry.key] = None
+        over = len(others) - (self.config.copies_per_chunk - 1)
+        if over <= 0:
+            return
+        protected = self.protected
+        victims = [k for k in others if k != entry.key and not (protected and k in protected)][:over]
+        for key in victims:
+            victim = self._entries.pop(key)
+            self._unlink(victim)
+            self.stats.evictions += 1
+            self._events.append(RegistryEvent("evicted", victim.key, victim.scope, "copies"))
 
     def _unlink(self, entry: ChunkEntry) -> None:
         if self.table is not None:
             self.table.remove(entry.key)
+        if entry.base_key:
+            others = self._copies[entry.base_key]
+            del others[entry.key]
+            if not others:
+                del self._copies[entry.base_key]
         lru = self._scope_lru[entry.scope]
         del lru[entry.key]
         if not lru:

@@ -15,6 +15,7 @@ from sidecar.config import AuthConfig
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.registry.chunker import ChunkerConfig
 from sidecar.registry.entry import EntryState
+from sidecar.registry.registry import RegistryConfig
 from sidecar.app import create_server
 from sidecar.tiers import StoreConfig
 from tests.conftest import make_config
@@ -26,8 +27,11 @@ SLOT = 8192  # stored object bytes of one block
 
 
 def config(usable_blocks: int, **claims_kw):
+    # one stored copy per block (registry.copies_per_chunk 1): a block Stored again at another
+    # position is the same slot, as in the suite's pool model
     return make_config(
         chunker=ChunkerConfig(min_size=BLOCK, max_size=BLOCK),
+        registry=RegistryConfig(copies_per_chunk=1),
         store=StoreConfig(cpu_bytes=usable_blocks * SLOT, pin_wait_s=0.0),
         claims=ClaimsConfig(**claims_kw),
         auth=AuthConfig(shared_writers=("t1",)),  # t1 may Store shared chunks (operator grant)

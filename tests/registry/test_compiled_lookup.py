@@ -2,7 +2,8 @@
 
 Two chunk indexes are fed the same operations (registrations in several scopes and states,
 state changes, deletions, evictions, canonical-copy moves, relinks, entries recovered without
-tokens, 64-bit collisions, a key of one tenant holding another tenant's entry): one plans with
+tokens, 64-bit collisions, a key of one tenant holding another tenant's entry, chunks repeated
+at several positions and so held as several copies, bounded by ``copies_per_chunk``): one plans with
 the reference planner only (``lookup_reference``; its mirror serves only the seed map), the
 other compiles. Every
 Lookup (random policy, k, repair scope, engine prefix, dry run, scope, chunks given or not) must
@@ -23,6 +24,7 @@ from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
 from sidecar.registry.chunker import ChunkerConfig
 from sidecar.registry.entry import ChunkEntry, EntryState, token_digest
 from sidecar.registry.entry_table import (
+    I_COPY,
     I_LEN,
     I_NTOK,
     I_POS,
@@ -59,6 +61,7 @@ def check_mirror(reg: InMemoryRegistry) -> None:
         assert (si[I_POS], si[I_NTOK]) == (e.source_pos, e.num_tokens)
         assert (su[U_PREFIX], su[U_NEXT_DIGEST], su[U_PREV], su[U_NEXT]) == (
             e.prefix_digest, e.next_digest, e.prev_key, e.next_key)
+        assert si[I_COPY] == (e.base_key != 0)
         if e.tokens:
             assert table.tokens(s).tobytes() == e.tokens
         else:
@@ -85,8 +88,9 @@ def registry_state(reg: InMemoryRegistry) -> tuple:
     return (
         reg.keys_lru(),
         {s: list(lru) for s, lru in reg._scope_lru.items()},
-        [(e.key, e.hits, e.tokens, e.state, e.source_pos, e.prefix_digest, e.prev_key, e.next_key, e.next_digest)
-         for e in reg.entries()],
+        [(e.key, e.hits, e.tokens, e.state, e.source_pos, e.prefix_digest, e.prev_key, e.next_key, e.next_digest,
+          e.base_key) for e in reg.entries()],
+        {k: list(v) for k, v in reg._copies.items()},
         reg.snapshot_stats(),
     )
 
@@ -101,6 +105,8 @@ class Twin:
         bits = self.cmp.registry.table.seed_bits
         self.cmp.registry.table = EntryTable(8, bits)  # tiny: long probe chains, regrowth, rehashing
         self.seqs: list[np.ndarray] = []
+        #: chunk tokens planned EXACT from a chunk's other copy (not its canonical one)
+        self.copy_hits = 0
 
     def both(self, fn):
         return fn(self.ref), fn(self.cmp)
@@ -207,6 +213,8 @@ class Twin:
         assert np.array_equal(got.chunk_bounds, want.chunk_bounds) and got.chunk_bounds.dtype == want.chunk_bounds.dtype
         got.check_tiling(len(tokens))
         assert registry_state(self.cmp.registry) == registry_state(self.ref.registry)
+        peek = self.ref.registry.peek
+        self.copy_hits += sum(len(h) for h in want.hits() if (e := peek(h.chunk_hash)) is not None and e.base_key)
 
 
 def text(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:
@@ -268,6 +276,8 @@ def random_query(rng: np.random.Generator, n: int) -> dict:
     dict(capacity_entries=60, scope_share=0.6),  # evictions all along
     dict(seed_interval=2),  # seeds everywhere
     dict(seed_interval=0),
+    dict(copies_per_chunk=2),  # copies replaced all along
+    dict(copies_per_chunk=1),  # the first copy only
 ])
 def test_compiled_plans_equal_the_reference(seed, config):
     rng = np.random.default_rng(seed)
@@ -294,6 +304,43 @@ def test_compiled_plans_equal_the_reference(seed, config):
     # the kernel planned (almost) everything: the reference only after recoveries
     cmp = twin.cmp
     assert cmp.compiled_lookups > 0 and cmp.reference_lookups <= 0.2 * (cmp.compiled_lookups + cmp.reference_lookups)
+    if config.get("copies_per_chunk", 4) == 1:
+        assert twin.copy_hits == 0 and not any(e.base_key for e in cmp.registry.entries())
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("copies", [4, 2])
+def test_compiled_plans_equal_the_reference_on_repeated_content(seed, copies):
+    """Histories that repeat themselves (a file read again, a listing printed again): the same
+    messages at several positions, so chunks are held as several copies, some replaced past the
+    bound; every Lookup plans the same on both planners, and copies do serve exact hits."""
+    rng = np.random.default_rng(100 + seed)
+    vocab = int(rng.choice([40, ANCHOR_BASE]))
+    twin = Twin(rng, copies_per_chunk=copies)
+    msgs = [document(rng, vocab) for _ in range(4)]
+
+    def history() -> np.ndarray:
+        parts = [document(rng, vocab)[: int(rng.integers(1, 60))]]  # a header of its own
+        for _ in range(int(rng.integers(3, 8))):
+            parts.append(msgs[int(rng.integers(len(msgs)))] if rng.random() < 0.7 else document(rng, vocab))
+        return np.concatenate(parts).astype(np.uint32)
+
+    for step in range(40):
+        h = history()
+        scope = "a" if rng.random() < 0.8 else SHARED_SCOPE
+        twin.register(h, scope, EntryState.RESIDENT if rng.random() < 0.85 else EntryState.OBSERVED)
+        if rng.random() < 0.2:
+            twin.mutate()
+        # the history itself (its own copies: exact), another one, a stored one again
+        for q in (h, history(), twin.seqs[int(rng.integers(len(twin.seqs)))]):
+            twin.lookup(q, give_chunks=bool(rng.random() < 0.3), **random_query(rng, len(q)))
+        if step % 10 == 0:
+            check_mirror(twin.cmp.registry)
+    check_mirror(twin.cmp.registry)
+    assert twin.copy_hits > 0
+    reg = twin.cmp.registry
+    for base, others in reg._copies.items():
+        assert len(others) <= copies - 1 or all(k in reg.protected for k in others)
 
 
 def test_recovered_entry_falls_back_once_then_compiles(rng):
