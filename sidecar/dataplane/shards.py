@@ -7,7 +7,10 @@ own identity and names the plan's identity (``FetchRequest.plan_identity``); eac
 translated to the key of the chunk with the same tokens in the same scope under the shard's
 identity. A chunk key is
 ``chain(scope_seed, xxh64(chunk tokens, identity salt))``, so the translation needs the planned
-entry's tokens (a recovered entry without tokens is a miss) and no second Lookup.
+entry's tokens (a recovered entry without tokens is a miss) and no second Lookup. A planned copy
+of a chunk computed after another left context (``ChunkEntry.base_key``; its key mixes in the
+identity-salted prefix digest, which another shard's differs from) translates to the shard's
+copy of the same chunk computed at the same position (``copy_at``), the canonical one else.
 """
 
 from __future__ import annotations
@@ -38,10 +41,12 @@ def check_shards(identity: CacheIdentity, plan_identity: CacheIdentity) -> None:
 
 
 def translate(hashes: Iterable[int], identity: CacheIdentity, peek: Callable[[int], ChunkEntry | None],
-              scopes: tuple[str, ...]) -> dict[int, int]:
+              scopes: tuple[str, ...], copy_at: Callable[[int, int], int] | None = None) -> dict[int, int]:
     """Planned key -> the key of the same tokens' chunk under ``identity`` in the same scope
-    (``UNKNOWN`` when the planned chunk is not in ``scopes`` or has no tokens). Python per
-    distinct chunk, never per token: one xxh64 over the chunk's token bytes."""
+    (``UNKNOWN`` when the planned chunk is not in ``scopes`` or has no tokens); for a planned
+    copy (``base_key``), ``copy_at(that key, the copy's source position)`` (the registry's:
+    the shard's copy computed there, if any). Python per distinct chunk, never per token: one
+    xxh64 over the chunk's token bytes."""
     out: dict[int, int] = {}
     seeds: dict[str, int] = {}
     for h in hashes:
@@ -54,5 +59,6 @@ def translate(hashes: Iterable[int], identity: CacheIdentity, peek: Callable[[in
         seed = seeds.get(e.scope)
         if seed is None:
             seed = seeds[e.scope] = int(identity.scope_seed(e.scope))
-        out[h] = chain_reference(seed, xxhash.xxh64_intdigest(e.tokens, seed=identity.salt))
+        key = chain_reference(seed, xxhash.xxh64_intdigest(e.tokens, seed=identity.salt))
+        out[h] = copy_at(key, e.source_pos) if e.base_key and copy_at is not None else key
     return out

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from sidecar.identity import SHARED_SCOPE
+from sidecar.registry.chunker import variant_keys
 from sidecar.registry.entry import ChunkEntry, EntryState, token_digest
 from sidecar.registry.shared_keys import KeySpace, SharedRecord, SharedRegistryConfig
 from sidecar.tiers import Tier
@@ -220,7 +221,10 @@ class SharedRegistry:
         """Chunk ``q`` (own scope, plus ``shared`` when any sidecar has shared chunks) and bring
         the chunks missing from the local registry in from Redis: at most ONE pipelined round
         trip, run in a worker thread, bounded by ``timeout_s``; skipped while Redis is down.
-        Returns the chunks for ``index.lookup(q, chunks)``. Never raises for Redis."""
+        The same round trip also asks for each chunk's copy computed after the prompt's own
+        left context (``variant_key``) where no exact copy is held here; those alone never make
+        a round trip. Returns the chunks for ``index.lookup(q, chunks)``. Never raises for
+        Redis."""
         reg = index.registry
         own = q.scope
         search_shared = own != SHARED_SCOPE and (self.shared_nonempty or reg.scope_entries(SHARED_SCOPE) > 0)
@@ -230,10 +234,14 @@ class SharedRegistry:
         missing: list[int] = []
         keys: list[bytes] = []
         scope_of: list[str] = []
+        copies: list[tuple[int, str]] = []
         # A Lookup that serves RESIDENT chunks only also asks again for local entries it cannot
         # serve: a peer may have stored their KV since (metadata published before the bytes).
         refresh = not q.dry_run
         resident = EntryState.RESIDENT
+        starts = chunks.bounds[c0:-1].tolist()
+        prefix = chunks.prefix_digests[c0:].tolist()
+        vks = variant_keys(chunks)
         for row, scope in enumerate(scopes):
             fps = chunks.fingerprints[row, c0:].tolist()
             have = reg.get_many(fps)
@@ -245,8 +253,19 @@ class SharedRegistry:
                 missing += miss
                 keys += self.keys.chunk_keys(scope, miss)
                 scope_of += [scope] * len(miss)
+            vs = vks[row, c0:].tolist()
+            for v, ve, e, a, p in zip(vs, reg.get_many(vs), have, starts, prefix):
+                if ve is not None and (ve.state is resident or not refresh):
+                    continue  # the exact copy is here
+                if e is not None and e.source_pos == a and e.prefix_digest == p and (e.state is resident or not refresh):
+                    continue  # the canonical copy is the exact one
+                copies.append((v, scope))
         if not keys:
             return chunks
+        for v, scope in copies:
+            missing.append(v)
+            keys += self.keys.chunk_keys(scope, (v,))
+            scope_of.append(scope)
         raw = await self.run_read(lambda r: self._mget(r, keys))
         if raw is not None:
             self.absorb(reg, missing, scope_of, raw)

@@ -4,8 +4,12 @@
 
     chunk the prompt (own scope, + shared)              one compiled pass
     one pipelined Redis round trip (read pool, timeout_s):
-        records of the chunks not RESIDENT here (all of them with a shared remote tier)
-        HMGET <chunk's residency hash> <peer ids>       per chunk and scope
+        records of the chunks not RESIDENT here (all of them, and of their copies computed
+            after the prompt's left context, with a shared remote tier)
+        HMGET <chunk's residency hash> <peer ids> <peer id>@<the chunk's prefix digest>
+                                                        per chunk and scope: each peer's
+                                                        canonical copy and its copy computed
+                                                        after this very left context
         GET <peer's heartbeat>                          per peer
     absorb the records (as a Lookup's near-cache fill does)
     per live candidate: plan over its view (``score``)
@@ -25,11 +29,12 @@ from typing import Any
 
 from sidecar.identity import SHARED_SCOPE, CacheIdentity
 from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
+from sidecar.registry.chunker import variant_keys
 from sidecar.registry.entry import EntryState
 from sidecar.registry.shared import SharedRegistry
 from sidecar.registry.shared_keys import beat_key, members_key, residency_keys
 from sidecar.routing.config import RoutingConfig
-from sidecar.routing.residency import Beat, Holding, Residency, decode_holding
+from sidecar.routing.residency import Beat, Holding, Residency, copy_field, decode_holding
 from sidecar.routing.score import Holdings, ReplicaScore, ScoreResult, own_view, score_of
 from sidecar.tiers import Tier
 
@@ -132,10 +137,11 @@ class Fleet:
         held: dict[str, dict[int, Holding]] = {p: {} for p in peers}
         alive: dict[str, Beat] = {}
         remote: set[int] = set()
+        base_of: dict[int, int] = {}
         if peers and shared is not None:
             got = await self._read(chunks, scopes, peers)
             if got is not None:
-                alive, held, remote = got
+                alive, held, remote, base_of = got
         scores: list[ReplicaScore] = []
         absent: list[str] = []
         n = len(q.tokens)
@@ -147,7 +153,7 @@ class Fleet:
             elif c in alive:
                 beat = alive[c]
                 same_tier = bool(shared.shared_tier) and beat.shared_tier == shared.shared_tier
-                h = Holdings(reg.peek, held[c], remote if same_tier else frozenset(), self._copies)
+                h = Holdings(reg.peek, held[c], remote if same_tier else frozenset(), self._copies, base_of)
                 if not h:
                     scores.append(ReplicaScore(replica=c, prefill_tokens=n))
                     continue
@@ -163,8 +169,11 @@ class Fleet:
         return ScoreResult(total_tokens=n, scores=scores, absent=absent)
 
     async def _read(self, chunks: Any, scopes: tuple[str, ...], peers: list[str]
-                    ) -> tuple[dict[str, Beat], dict[str, dict[int, Holding]], set[int]] | None:
-        """The one pipelined round trip, then the records absorbed (loop thread)."""
+                    ) -> tuple[dict[str, Beat], dict[str, dict[int, Holding]], set[int], dict[int, int]] | None:
+        """The one pipelined round trip, then the records absorbed (loop thread). Returns the
+        live beats, each peer's holdings (by the key of the copy: the chunk key, or the key of
+        its copy computed after the prompt's left context), the keys servable from the shared
+        remote tier, and each such copy key's chunk key."""
         shared = self.shared
         assert shared is not None
         reg = self.index.registry
@@ -176,19 +185,28 @@ class Fleet:
         rec_scope: list[str] = []
         res_keys: list[bytes] = []
         res_chunk: list[int] = []
+        res_copy: list[int] = []
+        res_fields: list[list[bytes]] = []
+        fields = [p.encode() for p in peers]
+        prefix = chunks.prefix_digests.tolist()
+        vks = variant_keys(chunks)
+        base_of: dict[int, int] = {}
         for row, scope in enumerate(scopes):
             fps = chunks.fingerprints[row].tolist()
+            vs = vks[row].tolist()
             res_keys += residency_keys(space, scope, fps)
             res_chunk += fps
+            res_copy += vs
+            res_fields += [fields + [copy_field(f, p) for f in fields] for p in prefix]
+            base_of.update(zip(vs, fps))
             if everything:
-                need = fps
+                need = fps + vs
             else:
                 need = [k for k, e in zip(fps, reg.get_many(fps)) if e is None or e.state is not resident]
             if need:
                 rec_keys += space.chunk_keys(scope, need)
                 rec_chunk += need
                 rec_scope += [scope] * len(need)
-        fields = [p.encode() for p in peers]
         beats = [beat_key(space, p) for p in peers]
         cluster = shared.config.cluster
 
@@ -199,8 +217,8 @@ class Fleet:
                     pipe.get(k)
             elif rec_keys:
                 pipe.mget(rec_keys)
-            for k in res_keys:
-                pipe.hmget(k, fields)
+            for k, f in zip(res_keys, res_fields):
+                pipe.hmget(k, f)
             for k in beats:
                 pipe.get(k)
             return pipe.execute()
@@ -220,11 +238,12 @@ class Fleet:
         alive = _live(peers, bt)
         held: dict[str, dict[int, Holding]] = {p: {} for p in peers}
         incs = [(i, p, alive[p].incarnation) for i, p in enumerate(peers) if p in alive]
-        for key, values in zip(res_chunk, hm):
+        n = len(peers)
+        for key, vkey, values in zip(res_chunk, res_copy, hm):
             for i, p, inc in incs:
-                v = values[i]
-                if v is not None:
-                    h = decode_holding(v, inc)
-                    if h is not None:
-                        held[p][key] = h
-        return alive, held, remote
+                for k, v in ((key, values[i]), (vkey, values[n + i])):
+                    if v is not None:
+                        h = decode_holding(v, inc)
+                        if h is not None:
+                            held[p][k] = h
+        return alive, held, remote, base_of

@@ -11,9 +11,14 @@
                                                   SADD <prefix>:{replicas} <replica>
 
 A field's value is ``tier code | incarnation | source_pos | prefix_digest | next_digest`` (25
-bytes): the tier of the replica's copy and where that copy was computed, so a score tells an
-exact hit from a shifted one for THAT replica's copy (two replicas may hold one chunk computed at
-different positions). Copies in the shared remote tier are not residency: the chunk records
+bytes): the tier of the replica's copy, where that copy was computed and the prefix digest its
+successor has there, so a score tells an exact hit from a shifted one for THAT replica's copy
+(two replicas may hold one chunk computed at different positions) and coalesces consecutive
+copies as the replica's own Lookup does. The field is named by the replica for the chunk's
+canonical copy there, and ``<replica>@<prefix digest, 16 hex>`` for each of its other copies of
+the chunk (computed after other left contexts, ``ChunkEntry.base_key``): a scorer reads, per
+chunk of a prompt, each candidate's canonical copy and its copy after the prompt's own left
+context with ONE HMGET. Copies in the shared remote tier are not residency: the chunk records
 already say which remote tier holds them, and every replica reading that tier can serve them.
 
 Liveness: the heartbeat key expires ``heartbeat_ttl_s`` after the last beat, so a replica that
@@ -98,6 +103,12 @@ def _local_tier(state: EntryState | None, tier: str | None) -> str | None:
     return tier if state is _RESIDENT and tier in _CODE else None
 
 
+def copy_field(replica: bytes, prefix_digest: int) -> bytes:
+    """The residency field of ``replica``'s copy of a chunk computed after the left context
+    ``prefix_digest`` (not its canonical copy: that one's field is the replica id)."""
+    return b"%s@%016x" % (replica, prefix_digest)
+
+
 class Residency:
     """This replica's residency writer: the registry's observer (``changed``) and what the shared
     registry's flusher sends (``write``). ``identities`` its engines stored under are named in
@@ -112,7 +123,8 @@ class Residency:
         self.entry_ttl = int(entry_ttl_s) or None
         self.shared_tier = shared_tier
         self.incarnation = random.getrandbits(32) if incarnation is None else incarnation
-        self._pending: dict[tuple[str, int], bytes | None] = {}
+        #: (scope, the chunk's key, field) -> value (None: delete the field)
+        self._pending: dict[tuple[str, int, bytes], bytes | None] = {}
         self._lock = threading.Lock()
         self._identities: dict[CacheIdentity, None] = {}
         self._beat_at = 0.0
@@ -133,8 +145,12 @@ class Residency:
             return
         value = None if now is None else VALUE.pack(_CODE[now], self.incarnation, entry.source_pos,
                                                        entry.prefix_digest, entry.next_digest)
+        if entry.base_key:
+            op = (entry.scope, entry.base_key, copy_field(self.field, entry.prefix_digest))
+        else:
+            op = (entry.scope, entry.key, self.field)
         with self._lock:
-            self._pending[(entry.scope, entry.key)] = value
+            self._pending[op] = value
 
     def saw_identity(self, identity: CacheIdentity) -> None:
         """An engine stored KV under ``identity`` (named in the next beats; newest first)."""
@@ -152,7 +168,7 @@ class Residency:
 
     # ------------------------------------------------------------------ flusher thread
 
-    def take(self, limit: int) -> list[tuple[tuple[str, int], bytes | None]]:
+    def take(self, limit: int) -> list[tuple[tuple[str, int, bytes], bytes | None]]:
         with self._lock:
             if len(self._pending) <= limit:
                 ops, self._pending = list(self._pending.items()), {}
@@ -162,17 +178,16 @@ class Residency:
                 ops.append((k, self._pending.pop(k)))
             return ops
 
-    def restore(self, ops: Iterable[tuple[tuple[str, int], bytes | None]]) -> None:
+    def restore(self, ops: Iterable[tuple[tuple[str, int, bytes], bytes | None]]) -> None:
         """Put back writes that failed, unless a newer change of the same chunk is queued."""
         with self._lock:
             for k, v in ops:
                 self._pending.setdefault(k, v)
 
-    def write(self, pipe: Any, ops: list[tuple[tuple[str, int], bytes | None]]) -> None:
+    def write(self, pipe: Any, ops: list[tuple[tuple[str, int, bytes], bytes | None]]) -> None:
         """Queue ``ops`` (from ``take``) on a Redis pipeline."""
-        f = self.field
         ttl = self.entry_ttl
-        for (scope, key), value in ops:
+        for (scope, key, f), value in ops:
             rkey = residency_keys(self.keys, scope, (key,))[0]
             if value is None:
                 pipe.hdel(rkey, f)

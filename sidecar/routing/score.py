@@ -6,7 +6,10 @@ entries, the chunks that candidate holds, and nothing is touched::
 
     candidate's view(key) = this sidecar's entry for the chunk (tokens, left context)
                             re-positioned where THAT replica's copy was computed (its residency
-                            field: source_pos, prefix_digest), or None when it holds no copy;
+                            field: source_pos, prefix_digest, next_digest), or None when it
+                            holds no copy; for the key of a chunk's copy computed after the
+                            prompt's left context (``entry.variant_key``), that copy as the
+                            replica's residency names it;
                             the scoring sidecar's own replica: its RESIDENT entries
 
     plan ──> prefix (the leading exact run from position 0), exact, shifted, prefill tokens;
@@ -73,13 +76,17 @@ class ScoreResult:
 
 class Holdings:
     """One candidate's view for the planner: ``held`` (its residency: key -> its copy) plus the
-    chunks of the shared remote tier it reads (``remote``), over this sidecar's entries."""
+    chunks of the shared remote tier it reads (``remote``), over this sidecar's entries.
+    ``base_of``: the chunk key of each copy key in ``held`` (a replica's copy of a chunk computed
+    after another left context is planned from this sidecar's entry for the chunk)."""
 
     def __init__(self, peek: Callable[[int], ChunkEntry | None], held: Mapping[int, Holding],
-                 remote: frozenset[int] | set[int] = frozenset(), copies: dict | None = None) -> None:
+                 remote: frozenset[int] | set[int] = frozenset(), copies: dict | None = None,
+                 base_of: Mapping[int, int] | None = None) -> None:
         self.peek = peek
         self.held = held
         self.remote = remote
+        self.base_of = base_of or {}
         #: re-positioned copies, by (key, source_pos, prefix_digest, next_digest): shared across
         #: calls by the caller (bounded there)
         self._copies: dict[tuple[int, int, int, int], ChunkEntry] = {} if copies is None else copies
@@ -92,9 +99,11 @@ class Holdings:
         if h is None:
             return self.peek(key) if key in self.remote else None
         base = self.peek(key)
+        if base is None and key in self.base_of:
+            base = self.peek(self.base_of[key])  # the same tokens
         if base is None:
             return None  # no record of the chunk here (expired or not yet published): not plannable
-        if (base.source_pos == h.source_pos and base.prefix_digest == h.prefix_digest
+        if (base.key == key and base.source_pos == h.source_pos and base.prefix_digest == h.prefix_digest
                 and base.next_digest == h.next_digest):
             return base
         ck = (key, h.source_pos, h.prefix_digest, h.next_digest)
@@ -105,7 +114,7 @@ class Holdings:
             # sidecar's entry may sit elsewhere, or be a record without its successor's digest.
             # Its neighbours' keys are not needed (scores do not extend hits).
             copy = self._copies[ck] = ChunkEntry(
-                key=base.key, scope=base.scope, tokens=base.tokens, source_pos=h.source_pos,
+                key=key, scope=base.scope, tokens=base.tokens, source_pos=h.source_pos,
                 prefix_digest=h.prefix_digest, left_context=base.left_context, state=base.state, tier=base.tier,
                 num_tokens=base.num_tokens, digest=base.digest, next_digest=h.next_digest)
         elif not copy.tokens and base.tokens:

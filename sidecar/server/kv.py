@@ -355,7 +355,8 @@ class KVHandlers:
         plan = self.edge.identities.get(request.plan_identity, True)
         check_shards(identity, plan)
         hashes = [h for it in request.items for h in (it.chunk_hash, *it.next_hashes)]
-        return translate(hashes, identity, self.index.registry.peek, (tenant, SHARED_SCOPE)).__getitem__
+        reg = self.index.registry
+        return translate(hashes, identity, reg.peek, (tenant, SHARED_SCOPE), reg.copy_at).__getitem__
 
     def _spawn(self, work: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
         """Run a committed write to its end whatever happens to its call (``drain`` waits for

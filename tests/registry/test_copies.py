@@ -14,6 +14,8 @@ rule are also checked on the registry alone.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -239,3 +241,70 @@ def test_bound_and_replacement_rule():
     # copies_per_chunk 1: the first stored copy only (no other copy is ever made)
     with pytest.raises(ValueError, match="copies_per_chunk"):
         RegistryConfig(copies_per_chunk=0)
+
+
+# --------------------------------------------------------------------- peers (shared registry)
+
+
+def test_a_peer_serves_every_copy_through_the_shared_registry(redis_url, redis_client, prefix, rng):
+    """Two sidecar processes share one Redis registry and remote tier: A Stores the repeated
+    history; B's first Lookup (one round trip) plans every occurrence EXACT from A's copies and
+    B's Fetch reads each occurrence's own bytes through the remote tier."""
+    from bench.harness import sidecar_process
+    from sidecar.client import SyncSidecarClient
+
+    sets = {
+        "chunker.anchor_tokens": "[" + ",".join(map(str, ANCHORS)) + "]",
+        "shared_registry.redis_url": redis_url, "shared_registry.key_prefix": prefix,
+        "shared_registry.publish_interval_s": 0.02, "store.namespace": prefix, "store.cpu_bytes": 64 * MiB,
+        "store.remote_url": redis_url, "store.remote_bytes": 256 * MiB,
+    }
+    argv = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    m = message(rng, 60, ANCHORS[1])
+    tokens = repeated(rng, m)
+    with sidecar_process(*argv) as a, sidecar_process(*argv) as b, \
+            SyncSidecarClient(a, tenant="alice") as ca, SyncSidecarClient(b, tenant="alice") as cb:
+        bounds = ca.lookup(tokens, identity=IDENT, dry_run=True).chunk_bounds.tolist()
+        pl = payloads_for(bounds, seed=4)
+        assert ca.store(tokens, identity=IDENT, layout=LAYOUT, payloads=pl).chunks_stored == len(pl)
+        want = {a: t.view(torch.uint8).numpy().tobytes() for a, t in pl.items()}
+        deadline = time.monotonic() + 20
+        while True:  # publication is asynchronous (publish_interval_s): a liveness bound
+            plan = cb.lookup(tokens, identity=IDENT)
+            if plan.summary.exact_tokens == len(tokens) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert (plan.summary.exact_tokens, plan.summary.shifted_tokens) == (len(tokens), 0)
+        segs = hits(plan)
+        assert all(s.fidelity is Fidelity.EXACT and s.delta == 0 for s in segs)
+        got = cb.fetch([(s.chunk_hash, s.start) for s in segs], identity=IDENT, layout=LAYOUT, raw=True)
+        assert {kv.source_pos: bytes(kv.data) for kv in got} == want
+        assert {kv.tier for kv in got} == {"remote"}
+
+
+async def test_another_shard_fetches_its_own_copies_from_the_plan(rng):
+    """Tensor-parallel ranks Store the same repeated history (each its own heads); rank 1 fetching
+    rank 0's plan (``plan_identity``) gets each occurrence's own copy of rank 1's heads, exactly
+    what its own Lookup and Fetch give."""
+    import dataclasses
+
+    ranks = [dataclasses.replace(IDENT, shard=f"tp{r}of2") for r in range(2)]
+    server, port = await start()
+    try:
+        async with SidecarClient(f"127.0.0.1:{port}", tenant="a") as c:
+            tokens = repeated(rng, message(rng, 60, ANCHORS[1]))
+            bounds = (await c.lookup(tokens, identity=ranks[0], dry_run=True)).chunk_bounds.tolist()
+            for r, ident in enumerate(ranks):
+                pl = payloads_for(bounds, seed=20 + r)
+                assert (await c.store(tokens, identity=ident, layout=LAYOUT, payloads=pl)).chunks_stored == len(pl)
+            plan0 = await c.lookup(tokens, identity=ranks[0])
+            plan1 = await c.lookup(tokens, identity=ranks[1])
+            assert plan0.summary.exact_tokens == plan1.summary.exact_tokens == len(tokens)
+            items0 = [(s.chunk_hash, s.start) for s in plan0.hits()]
+            items1 = [(s.chunk_hash, s.start) for s in plan1.hits()]
+            own = await c.fetch(items1, identity=ranks[1], layout=LAYOUT, raw=True)
+            via = await c.fetch(items0, identity=ranks[1], plan_identity=ranks[0], layout=LAYOUT, raw=True)
+            assert all(f.ok and f.delta == 0 for f in via)
+            assert [bytes(f.data) for f in via] == [bytes(f.data) for f in own]
+    finally:
+        await server.stop(0.1)

@@ -66,7 +66,8 @@ def disagreements(v: dict[str, dict[str, tuple]]) -> list[str]:
 def test_every_replica_scores_a_replica_the_same_way(fleet: FleetProcs, clients, rng):
     """r0 stores X after a header; r2 first learns X's records from Redis (metadata only, without
     the digests that link each chunk to its successor), then stores the same prompt itself in one
-    Store; r1 stores other text. Prompts: X after headers of many lengths
+    Store; r1 stores a history that repeats one message three times (its chunks held as several
+    copies, one per left context: every scorer sees the whole history as r1's exact prefix). Prompts: X after headers of many lengths
     (shifted hits whose first chunks sit around the carve-out at 32: X opens with a short message), parts of X, X reordered,
     and r0's own prompt (exact), under five guard settings."""
     t = fleet.start_all(NAMES)
@@ -78,7 +79,10 @@ def test_every_replica_scores_a_replica_the_same_way(fleet: FleetProcs, clients,
     wait_until(lambda: {s.replica: s.prefix_tokens for s in c["r2"].score(p0, IDENT, list(NAMES)).scores}["r0"]
                == len(p0), "r0's residency seen by r2")
     store_at_once(c["r2"], p0, seed=2)
-    store_kv(c["r1"], np.concatenate([message(rng, 30, ANCHORS[0]), *conversation(rng)]), seed=3)
+    m = message(rng, 150, ANCHORS[1])
+    again = np.concatenate([message(rng, 30, ANCHORS[0]), m, message(rng, 50, ANCHORS[2]), m,
+                            message(rng, 70, ANCHORS[3]), m, message(rng, 20, ANCHORS[2])]).astype(np.uint32)
+    store_at_once(c["r1"], again, seed=3)
 
     def settled() -> bool:
         for via in NAMES:
@@ -87,12 +91,23 @@ def test_every_replica_scores_a_replica_the_same_way(fleet: FleetProcs, clients,
                 return False
         return True
 
-    wait_until(settled, "every replica's residency published")
+    wait_until(settled, "r0's and r2's residency published")
+
+    # the repeated history: r1's exact prefix, every occurrence of m included, whoever scores
+    def r1_exact(via: str) -> bool:
+        s = {x.replica: x for x in c[via].score(again, IDENT, list(NAMES)).scores}["r1"]
+        return (s.prefix_tokens, s.exact_tokens, s.shifted_tokens, s.prefill_tokens) == (len(again), 0, 0, 0)
+
+    for via in NAMES:
+        wait_until(lambda: r1_exact(via), f"r1's repeated history scored as its exact prefix by {via}")
     prompts = {f"header {n}": np.concatenate([message(rng, n, ANCHORS[0]), *X]) for n in (0, 5, 12, 17, 18, 19, 27, 40, 80)}
     prompts["no header"] = np.concatenate(X)
     prompts["reordered"] = np.concatenate([message(rng, 9, ANCHORS[0]), X[2], X[0], X[1], X[4], X[3]])
     prompts["middle"] = np.concatenate([message(rng, 16, ANCHORS[0]), X[1], X[2]])
     prompts["r0's prompt"] = p0
+    prompts["r1's prompt"] = again
+    prompts["r1's prompt, new header"] = np.concatenate([message(rng, 44, ANCHORS[0]), again[31:]])
+    prompts["r1's prompt, cut"] = again[: len(again) - 25]
     bad: list[str] = []
     shifted = 0
     for name, q in prompts.items():
