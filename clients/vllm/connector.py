@@ -29,7 +29,8 @@ without vLLM (tests/clients/vllm drives them with a fake scheduler and requests)
         sub-request ``prompt[:A]``; after it, the parent's shifted run is contiguous.
         bind_scheduler() - the plug-in (``scheduler.SidecarScheduler``) registers itself.
     Worker side (``worker_side.WorkerSide``, in each worker):
-        register_kv_caches() - learn the paged block layout (``paged.py``) or disable.
+        register_kv_caches() - learn the paged block layout (``paged.py``) or refuse.
+        get_handshake_metadata() - the worker's refusal, if any, for the scheduler side.
         start_load_kv() - Fetch the LoadJobs' items (rotated by the sidecar to their target
             positions with the engine's ``RopeSpec``, pairing from vLLM's ``is_neox_style``)
             and copy their rows into the requests' paged blocks, every layer.
@@ -39,6 +40,11 @@ without vLLM (tests/clients/vllm drives them with a fake scheduler and requests)
             a background thread by default).
         get_block_ids_with_load_errors() - blocks of items that could not be fetched: vLLM
             recomputes them.
+
+Refusals (``refusals.py``): an engine the connector cannot serve (a quantized cache, an unknown
+cache layout, another rotary pairing, a model shape or RoPE it cannot describe) disables it,
+at construction or at ``register_kv_caches``, with one WARNING line naming the setting and why;
+a disabled connector behaves like no connector (0 external tokens, no jobs, no sidecar calls).
 
 Failures never fail a request: a Lookup that errors loads nothing (prefill), a Fetch that
 errors reports its blocks for recompute (the connector switches ``kv_load_failure_policy`` to
@@ -64,12 +70,14 @@ import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
 )
 
 from clients.vllm import directives
+from clients.vllm.refusals import Refused
 from clients.vllm.settings import (
     PARAM_GAP_FILL,
     PARAM_TENANT,
@@ -85,9 +93,12 @@ from clients.vllm.settings import (
 # start-up scans sys.modules for Triton kernels, and that scan crashes on llvmlite's objects
 # (see settings.py). Building a role happens after the scan.
 if TYPE_CHECKING:
+    from sidecar.sdk.kit import FailSoftLink
+
     from clients.vllm.jobs import LoadJob, StoreJob
     from clients.vllm.requests import SchedulerHooks
     from clients.vllm.scheduler_side import SchedulerSide
+    from clients.vllm.settings import EngineShape
     from clients.vllm.worker_side import WorkerSide
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -106,7 +117,7 @@ PARAM_DIRECTIVES = directives.PARAM_DIRECTIVES
 PARAM_SESSION = directives.PARAM_SESSION
 
 __all__ = ["INSTANCES", "PARAM_DIRECTIVES", "PARAM_GAP_FILL", "PARAM_SESSION", "PARAM_TENANT", "SidecarConnector",
-           "SidecarMetadata"]
+           "SidecarMetadata", "WorkerReport"]
 
 
 @dataclass
@@ -117,9 +128,19 @@ class SidecarMetadata(KVConnectorMetadata):
     stores: list[StoreJob] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class WorkerReport(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler side after registering its caches (vLLM's connector
+    handshake): ``refused``, why it disabled itself, or "" when it serves."""
+
+    refused: str = ""
+
+
 class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring. Both roles are this class (vLLM builds one per role); each
-    delegates to its role's object: ``scheduler_side`` or ``worker_side`` (the other is None)."""
+    delegates to its role's object: ``scheduler_side`` or ``worker_side`` (the other is None).
+    ``disabled`` is why the connector refused this engine ("" while it serves; ``refusals.py``):
+    then neither role object exists or is called, and vLLM serves alone."""
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -133,14 +154,22 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         note = vllm_version_note(getattr(vllm, "__version__", "unknown"))
         if note is not None:
             log.warning("sidecar connector: %s", note)
-        self.shape = engine_shape(vllm_config, self.settings)
-        self.block_size = self.shape.block_size
-        side = "scheduler" if role is KVConnectorRole.SCHEDULER else "worker"
-        self.link = sidecar_link(self.settings, side)
+        self.side = "scheduler" if role is KVConnectorRole.SCHEDULER else "worker"
         self.counters: Counter[str] = Counter()
-        INSTANCES[side] = self
+        self.disabled = ""
+        self.link: FailSoftLink | None = None
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
+        self.shape: EngineShape | None = None  # None when refused at construction
+        INSTANCES[self.side] = self
+        try:
+            self.shape = engine_shape(vllm_config, self.settings)
+        except Refused as exc:
+            # both roles find it; the scheduler side (one per engine) says it at WARNING
+            self._disable(str(exc), warn=role is KVConnectorRole.SCHEDULER)
+            return
+        self.block_size = self.shape.block_size
+        self.link = sidecar_link(self.settings, self.side)
         if role is KVConnectorRole.SCHEDULER:
             from clients.vllm.scheduler_side import SchedulerSide
 
@@ -153,27 +182,56 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             from clients.vllm.worker_side import WorkerSide
 
             self.worker_side = WorkerSide(self.settings, self.shape, self.link, self.counters)
-        log.info("sidecar connector (%s) -> %s, identity %s", side, self.settings.target, describe(self.shape))
+        log.info("sidecar connector (%s) -> %s, identity %s", self.side, self.settings.target, describe(self.shape))
 
     # ================================================================== shared
 
+    def _disable(self, why: str, *, warn: bool) -> None:
+        """Stop serving (``refusals.py``): from now on this role behaves like no connector."""
+        if self.disabled:
+            return
+        self.disabled = why
+        self.counters["disabled"] = 1
+        (log.warning if warn else log.info)("sidecar connector disabled (%s): %s; vLLM serves every request alone",
+                                            self.side, why)
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+            self.worker_side = None
+        self.scheduler_side = None
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+
     def stats(self) -> dict[str, int]:
-        """Counters of this process's side (tokens, calls, errors)."""
+        """Counters of this process's side (tokens, calls, errors; ``disabled``: 1 when refused)."""
         out = dict(self.counters)
-        out.update({f"error:{k}": v for k, v in self.link.errors.items()})
+        if self.link is not None:
+            out.update({f"error:{k}": v for k, v in self.link.errors.items()})
         return out
 
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.shutdown()
-        self.link.close()
+        if self.link is not None:
+            self.link.close()
 
     # ================================================================== worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker_side.register_kv_caches(kv_caches)
+        if self.worker_side is None:
+            return
+        try:
+            self.worker_side.register_kv_caches(kv_caches)
+        except Refused as exc:  # the scheduler side hears it in the handshake and says it at WARNING
+            self._disable(str(exc), warn=False)
+
+    def get_handshake_metadata(self) -> WorkerReport:
+        """This worker's refusal for the scheduler side (vLLM calls it after ``register_kv_caches``)."""
+        return WorkerReport(refused=self.disabled)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        if self.worker_side is None:
+            return
         meta = self._get_connector_metadata()
         if isinstance(meta, SidecarMetadata):
             self.worker_side.load(meta.loads)
@@ -185,7 +243,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         return  # rows are gathered from the paged cache after the whole forward (wait_for_save)
 
     def wait_for_save(self) -> None:
-        if not self.has_connector_metadata():
+        if self.worker_side is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         if isinstance(meta, SidecarMetadata):
@@ -203,22 +261,44 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ================================================================== scheduler side
 
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Every worker's ``WorkerReport`` by (pipeline stage, tensor-parallel rank), once at
+        start-up: a worker that refused its caches disables the scheduler side too, so no
+        request is planned for loads it would not do. (vLLM's default refuses stages > 0.)"""
+        refused = {(pp, tp): getattr(r, "refused", "") for (pp, tp), r in sorted(metadata.items())}
+        refused = {k: why for k, why in refused.items() if why}
+        if refused and self.scheduler_side is not None:
+            whys = sorted(set(refused.values()))
+            ranks = ", ".join(f"pp{pp}/tp{tp}" for pp, tp in refused)
+            self._disable(f"worker {ranks}: {'; '.join(whys)}", warn=True)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, tp): r for tp, r in metadata.items()})
+
     def bind_scheduler(self, hooks: SchedulerHooks) -> None:
         """Called by ``clients.vllm.scheduler.SidecarScheduler`` (gap fill, the pool report)."""
-        self.scheduler_side.bind(hooks)
+        if self.scheduler_side is not None:
+            self.scheduler_side.bind(hooks)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.scheduler_side is None:
+            return 0, False
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        self.scheduler_side.update_state_after_alloc(request, num_external_tokens)
+        if self.scheduler_side is not None:
+            self.scheduler_side.update_state_after_alloc(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        if self.scheduler_side is None:
+            return SidecarMetadata()
         jobs = self.scheduler_side.build_jobs(scheduler_output)
         return SidecarMetadata(loads=jobs.loads, stores=jobs.stores)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.scheduler_side is None:
+            return False, None
         return self.scheduler_side.request_finished(request)
 
     def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler_side.request_finished(request)
+        return self.request_finished(request, [])

@@ -9,6 +9,7 @@ cache, so two runs are an engine restart. The tests (tests/real_engines) and the
      "extra": {...},                              # more kv_connector_extra_config keys
      "gap_fill": true,                            # --scheduler-cls clients.vllm.scheduler.SidecarScheduler
      "prefix_caching": true, "block_size": 32, "max_model_len": 8192,
+     "kv_cache_dtype": "auto",                    # vLLM's --kv-cache-dtype
      "requests": [{"prompt_token_ids": [...], "max_tokens": 16, "params": {...kv_transfer_params}}]}
 
 A ``params`` value ``"@i"`` is replaced by the session id (or, for a key ending in ``version``,
@@ -42,6 +43,8 @@ def build_llm(spec: dict[str, Any]):
     )
     if spec.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
+    if spec.get("kv_cache_dtype"):
+        kw["kv_cache_dtype"] = spec["kv_cache_dtype"]
     if spec.get("load_format"):
         kw["load_format"] = spec["load_format"]
     if spec.get("sidecar"):

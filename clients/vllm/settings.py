@@ -9,7 +9,9 @@ identity from the ``VllmConfig`` alone, so they agree without talking to each ot
   different weights of one architecture;
 * ``tokenizer_hash``: xxh64 of the tokenizer files;
 * ``kv_layout``: ``KVLayout.gqa(layers, kv heads, head size, cache dtype)`` fingerprint;
-* ``rope_fingerprint``: ``RopeSpec.from_hf_config(hf_config, pairing=is_neox_style)``;
+* ``rope_fingerprint``: ``RopeSpec.from_hf_config(hf_config, pairing=is_neox_style)``, vLLM's
+  pairing read from its model config (``vllm_is_neox_style``: False for MLA models) unless
+  ``rope_is_neox_style`` is set;
 * ``block_size``: vLLM's block size.
 """
 
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 import xxhash
 
 from sidecar.identity import CacheIdentity, KVLayout
+
+from clients.vllm.refusals import Refused
 
 # sidecar.rotation is imported lazily (engine_shape): it loads numba/llvmlite, and vLLM 0.32's
 # worker start-up scans every module in sys.modules for Triton kernels and crashes on
@@ -248,16 +252,64 @@ class EngineShape:
 
 
 def kv_dtype_name(vllm_config: Any) -> str:
+    """The ``KVLayout`` dtype of the engine's cache; ``Refused`` for a quantized cache or a
+    model dtype the sidecar's payloads do not carry."""
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):
-        raise ValueError(f"kv cache dtype {cache_dtype!r}: only 'auto' (the model dtype) is supported")
+        raise Refused(f"kv cache dtype {cache_dtype!r} (--kv-cache-dtype): the sidecar stores unquantized rows; "
+                      "only 'auto' (the model dtype) is served")
     name = _TORCH_DTYPES.get(str(vllm_config.model_config.dtype))
     if name is None:
-        raise ValueError(f"model dtype {vllm_config.model_config.dtype} is not supported")
+        raise Refused(f"model dtype {vllm_config.model_config.dtype} (--dtype): only bfloat16 / float16 / float32 "
+                      "caches are served")
     return name
 
 
+def vllm_is_neox_style(model_config: Any) -> bool | None:
+    """The ``is_neox_style`` vLLM rotates this model's cached keys with, from its ``ModelConfig``
+    (None: not known from the configuration).
+
+    vLLM's own model classes build their rotary embedding with ``get_rope(...,
+    is_neox_style=...)``, default True. Every attention vLLM runs with DeepSeek's latent cache
+    (``ModelConfig.use_mla``: DeepSeek-V2 / V3 / V3.2, Kimi K2, ... in vllm/model_executor/
+    models/deepseek_v2.py and the other MLA models) passes ``is_neox_style=False`` for ``k_pe``,
+    whatever the HF config's ``rope_interleave`` says (that flag steers transformers' own code,
+    which re-orders the dims before caching). On vLLM's Transformers backend the model's HF code
+    rotates the keys, so the pairing is the HF family's (None here: ``RopeSpec.from_hf_config``
+    reads its table of verified families)."""
+    if not getattr(model_config, "use_mla", False):
+        return True
+    backend = getattr(model_config, "using_transformers_backend", None)
+    if callable(backend) and backend():
+        return None
+    return False
+
+
+#: rope_type names vLLM's DeepSeek models write into the HF config in place when they build the
+#: model (vllm/model_executor/models/deepseek_v2.py): both are the config's YaRN frequencies
+_VLLM_ROPE_RENAMES = {"deepseek_yarn": "yarn", "deepseek_llama_scaling": "yarn"}
+
+
+def _as_published(hf_config: Any) -> Any:
+    """``hf_config`` with the model files' rope_type: vLLM's DeepSeek code renames ``yarn`` in
+    place while building the model, so a process that loaded the model (a worker, or the
+    scheduler of a one-process engine) would otherwise see another RoPE than one that did not."""
+    text = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
+    params = getattr(text, "rope_parameters", None)
+    if not isinstance(params, dict) or params.get("rope_type") not in _VLLM_ROPE_RENAMES:
+        return hf_config
+    import copy
+
+    published = copy.deepcopy(hf_config)
+    published_text = (published.get_text_config(decoder=True) if hasattr(published, "get_text_config")
+                      else published)
+    published_text.rope_parameters = {**params, "rope_type": _VLLM_ROPE_RENAMES[params["rope_type"]]}
+    return published
+
+
 def engine_shape(vllm_config: Any, settings: Settings) -> EngineShape:
+    """The engine's KV shape and cache identity from its ``VllmConfig``; ``Refused`` (the
+    setting, then why) for an engine the connector cannot serve (``refusals.py``)."""
     from sidecar.rotation import Pairing, RopeSpec
 
     mc = vllm_config.model_config
@@ -271,11 +323,17 @@ def engine_shape(vllm_config: Any, settings: Settings) -> EngineShape:
     num_layers = last - first
     head = mc.get_head_size()  # MLA: kv_lora_rank + qk_rope_head_dim, the latent row
     kv_heads = 1 if mla else mc.get_num_kv_heads(pc)  # this rank's heads (replicated when TP exceeds them)
-    rope_dim = int(mc.hf_config.qk_rope_head_dim) if mla else 0
+    rope_dim = int(getattr(mc.hf_config, "qk_rope_head_dim", 0) or 0) if mla else 0
+    if mla and not 0 < rope_dim < head:
+        raise Refused(f"MLA model shape: qk_rope_head_dim {rope_dim} is not inside the latent row of {head}")
     block = vllm_config.cache_config.block_size
     dtype = kv_dtype_name(vllm_config)
-    neox = True if settings.rope_is_neox_style is None else bool(settings.rope_is_neox_style)
-    rope = RopeSpec.from_hf_config(mc.hf_config, pairing=Pairing.from_neox_style(neox))  # MLA: k_pe's
+    neox = vllm_is_neox_style(mc) if settings.rope_is_neox_style is None else bool(settings.rope_is_neox_style)
+    try:  # MLA: k_pe's RopeSpec
+        rope = RopeSpec.from_hf_config(_as_published(mc.hf_config),
+                                       pairing=None if neox is None else Pairing.from_neox_style(neox))
+    except ValueError as exc:  # a RoPE no fixed rotation re-positions, or an unverified pairing
+        raise Refused(f"the model's RoPE ({getattr(mc.hf_config, 'model_type', '?')}): {exc}") from None
     layout = kv_layout(num_layers, kv_heads, head, dtype, rope_dim)
     served = mc.served_model_name
     if isinstance(served, (list, tuple)):

@@ -10,7 +10,8 @@ every worker::
     start-up      register_kv_caches(layers)  CPU backend: learn its block layout (paged.py);
                                               other devices: vLLM's standard [B, H, N, K | V]
                                               views, or MLA's [B, 1, N, c_kv | k_pe]
-                                              (layouts.py); else disable, saying why
+                                              (layouts.py); checks the rotary
+                                              pairing; else ``Refused`` (refusals.py)
     each step     load(jobs.loads)            before the forward: Fetch each LoadJob's items
                                               (rotated to their target positions by the sidecar,
                                               or raw and rotated here on the cache's device:
@@ -44,17 +45,52 @@ import torch
 from clients.vllm.layouts import LatentKV, PagedSpec, StandardKV, UnsupportedLayout
 from clients.vllm.jobs import LoadJob, StoreJob
 from clients.vllm.paged import BlockLayout, PagedKV, single_threaded
+from clients.vllm.refusals import Refused
 from clients.vllm.rows import GqaRows, LatentRows
 from clients.vllm.staging import Staging
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
+    from typing import Any
 
+    from sidecar.rotation import RopeSpec
     from sidecar.sdk.kit import FailSoftLink
 
     from clients.vllm.settings import EngineShape, Settings
 
 log = logging.getLogger("clients.vllm")
+
+
+def check_rope_pairing(rope: "RopeSpec", embeddings: "Iterable[Any] | None" = None) -> None:
+    """``Refused`` unless the model's rotary embeddings rotate keys the way ``rope`` (the
+    identity's) pairs them. ``embeddings``: the model's rotary embedding modules (objects with
+    vLLM's ``head_size``, ``rotary_dim``, ``is_neox_style``); by default every one vLLM built,
+    from its registry ``_ROPE_DICT`` (the model is loaded before the caches are registered).
+    The ones over the identity's key (``key_dim`` wide, ``rotary_dim`` rotated) must include
+    its ``is_neox_style``: another embedding of the same size may rotate something else the
+    other way (DeepSeek-V3.2's indexer keys), so only a set without it is a mismatch. Without
+    vLLM's registry (another release) nothing is checked."""
+    if embeddings is None:
+        try:
+            from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
+        except ImportError:
+            return
+        embeddings = _ROPE_DICT.values()
+    embs = list(embeddings)
+    if not embs:
+        return
+    ours = [r for r in embs
+            if (getattr(r, "head_size", None), getattr(r, "rotary_dim", None)) == (rope.key_dim, rope.rotary_dim)]
+    want = rope.pairing.value == "half"
+    if not ours:
+        sizes = sorted({(getattr(r, "rotary_dim", None), getattr(r, "head_size", None)) for r in embs}, key=str)
+        raise Refused(f"rotary embedding: the model rotates (rotary dims, key dims) {sizes}, the identity's RoPE "
+                      f"{rope.rotary_dim} of {rope.key_dim}")
+    styles = sorted({bool(getattr(r, "is_neox_style", True)) for r in ours})
+    if want not in styles:
+        raise Refused(f"rope pairing (kv_connector_extra_config rope_is_neox_style): the model's rotary embeddings "
+                      f"use is_neox_style={styles[0]}, the identity assumes {want}; set rope_is_neox_style to "
+                      f"{styles[0]}")
 
 
 class WorkerSide:
@@ -72,7 +108,6 @@ class WorkerSide:
         self.staging = Staging(torch.device("cpu"))  # the cache's device once registered
         #: what the cache's rows are (``rows.py``): [L, 2, n, H, D], or MLA latent rows [L, n, C]
         self.rows = LatentRows if shape.mla else GqaRows
-        self.disabled: str = ""
         self._invalid: set[int] = set()
         self._store_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sidecar-store")
         self._store_futures: list[Future] = []
@@ -81,6 +116,8 @@ class WorkerSide:
     # ------------------------------------------------------------------ start-up
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Take the engine's per-layer caches; ``Refused`` (``refusals.py``) for caches or a model
+        this worker cannot serve: the layer count, the cache layout, the rotary pairing."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         names = sorted(kv_caches, key=extract_layer_index)
@@ -94,8 +131,9 @@ class WorkerSide:
                      "(%d layers), shard %s", self.shape.tp_rank, self.shape.tp_size, self.shape.pp_rank,
                      self.shape.pp_size, len(layers), self.shape.identity.shard)
         if len(layers) != self.shape.num_layers:
-            self._disable(f"{len(layers)} KV cache tensors for {self.shape.num_layers} layers")
-            return
+            raise Refused(f"model shape: {len(layers)} KV cache tensors for {self.shape.num_layers} attention "
+                          "layers (a hybrid or layer-sharing model): the cache identity covers every layer")
+        check_rope_pairing(self.shape.rope)
         t = layers[0]
         H, B, D = self.shape.num_kv_heads, self.block_size, self.shape.head_size
         if self.shape.mla or t.device.type != "cpu":
@@ -108,21 +146,19 @@ class WorkerSide:
                                  dtype=t.dtype, rope_dim=self.shape.rope_dim)
                 self.paged = (LatentKV if mla else StandardKV)(layers, spec)
             except UnsupportedLayout as exc:
-                self._disable(f"{'MLA ' if mla else ''}KV cache on {t.device}: {exc}")
-                return
+                raise UnsupportedLayout(f"{'MLA ' if mla else ''}KV cache layout on {t.device}: {exc}") from None
             self.staging = Staging(t.device)
             log.info("sidecar connector (worker): %d %slayers on %s, vLLM's standard layout (strides %s)",
                      len(layers), "MLA " if mla else "", t.device, tuple(t.stride()))
             return
         if t.dim() != 4 or tuple(t.shape[1:]) != (H, B, 2 * D):
-            self._disable(f"KV cache layout {tuple(t.shape)} on {t.device} is not the CPU backend's "
+            raise Refused(f"KV cache layout {tuple(t.shape)} on {t.device}: not the CPU backend's "
                           f"[blocks, {H}, {B}, {2 * D}]")
-            return
         try:
             layout = self._learn_layout(t.dtype)
-        except Exception as exc:  # noqa: BLE001
-            self._disable(f"could not learn the KV block layout ({type(exc).__name__}: {exc})")
-            return
+        except Exception as exc:  # noqa: BLE001 - any failure of the engine's kernel is a refusal
+            raise Refused(f"KV cache layout on {t.device}: could not learn the block layout "
+                          f"({type(exc).__name__}: {exc})") from None
         self.paged = PagedKV(layers, layout)
         log.info("sidecar connector (worker): %d layers, block layout %s", len(layers), layout.kind)
 
@@ -138,34 +174,12 @@ class WorkerSide:
 
         return BlockLayout.learn(write, H, B, D, dtype)
 
-    def _check_rope(self) -> None:
-        """The keys vLLM caches are rotated with its rotary embeddings' ``is_neox_style``;
-        the identity's RopeSpec must pair dims the same way."""
-        try:
-            from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
-        except ImportError:
-            return
-        styles = {bool(getattr(r, "is_neox_style", True)) for r in _ROPE_DICT.values()}
-        want = self.shape.rope.pairing.value == "half"
-        if styles and styles != {want}:
-            self._disable(f"the model's rotary embeddings use is_neox_style={sorted(styles)}, the identity "
-                          f"assumes {want}; set kv_connector_extra_config rope_is_neox_style")
-
-    def _disable(self, why: str) -> None:
-        if not self.disabled:
-            log.error("sidecar connector (worker) disabled: %s", why)
-        self.disabled = why
-        self.counters["disabled"] = 1
-
     # ------------------------------------------------------------------ loads
 
     def load(self, jobs: list[LoadJob]) -> None:
         """Before the forward: every job's rows into the paged cache (failures marked)."""
         if not jobs:
             return
-        if "rope_checked" not in self.counters:
-            self.counters["rope_checked"] = 1
-            self._check_rope()
         for job in jobs:
             self._load(job)
         self.staging.publish()  # vLLM's stream waits for the copies; the CPU does not
@@ -177,7 +191,7 @@ class WorkerSide:
         self.counters["load_failed_tokens"] += end - start
 
     def _load(self, job: LoadJob) -> None:
-        if self.paged is None or self.disabled:
+        if self.paged is None:  # no caches registered: vLLM recomputes
             for it in job.items:
                 self._fail_blocks(job, it.start, it.end)
             return
@@ -250,7 +264,7 @@ class WorkerSide:
     def save(self, jobs: list[StoreJob]) -> None:
         """After the forward: gather every job's chunks and Store them (sync or in the
         background, per ``settings.store``)."""
-        if not jobs or self.paged is None or self.disabled or not self.shape.stores:
+        if not jobs or self.paged is None or not self.shape.stores:
             return
         if not self.link.available:
             self.counters["stores_skipped"] += len(jobs)

@@ -274,3 +274,23 @@ def test_connector_over_mtls_acts_as_the_certificate_tenant(model_dir, prompts, 
     assert again["results"][0]["token_ids"] == out["results"][0]["token_ids"]
     assert foreign["results"][0]["sidecar"]["claimed_tokens"] == 0
     assert foreign["results"][0]["sidecar"]["plan_ok"] is True  # answered, with nothing of team-cert's
+
+
+def test_a_rope_pairing_the_model_does_not_use_is_refused_and_vllm_serves_alone(model_dir, sidecar_target, engine_a,
+                                                                                prompts):
+    """``rope_is_neox_style: false`` on SmolLM2 (whose rotary embeddings are NEOX): the worker
+    finds the mismatch when it registers its caches, before any load, and tells the scheduler
+    side through vLLM's connector handshake; the engine then serves like vLLM without the
+    connector: P1's plain output (engine A's first request), no Lookup, no Fetch, no Store
+    although the sidecar holds P1's chunks, one WARNING line naming the setting."""
+    out = run_engine(_spec(model_dir, sidecar_target, [
+        {"prompt_token_ids": prompts["p1"], "max_tokens": MAX_TOKENS},
+        {"prompt_token_ids": prompts["w"], "max_tokens": 4},
+    ], rope_is_neox_style=False))
+    r = out["results"][0]
+    assert r["token_ids"] == engine_a["results"][0]["token_ids"]
+    assert all(x["sidecar"] is None and x["vllm_metrics"]["external_prefix_cache_hits"] == 0 for x in out["results"])
+    assert out["scheduler_stats"] == {"disabled": 1} and out["worker_stats"] == {"disabled": 1}
+    lines = [ln for ln in out["log"].splitlines() if "sidecar connector disabled" in ln]
+    assert len(lines) == 1 and "(scheduler): worker pp0/tp0: rope pairing" in lines[0], lines
+    assert "is_neox_style=True, the identity assumes False" in lines[0]

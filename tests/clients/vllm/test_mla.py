@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,19 +25,27 @@ from tests.clients.vllm.conftest import BLOCK, Prompts
 from tests.clients.vllm.fakes import FakeScheduler, Request, latent_rows
 
 from clients.vllm.layouts import LatentKV, PagedSpec
+from clients.vllm.refusals import Refused
 from clients.vllm.scheduler_side import SchedulerSide
-from clients.vllm.settings import EngineShape
-from clients.vllm.worker_side import WorkerSide
+from clients.vllm.settings import EngineShape, vllm_is_neox_style
+from clients.vllm.worker_side import WorkerSide, check_rope_pairing
 
 LAYERS, RANK, ROPE_DIM = 2, 16, 8
 WIDTH = RANK + ROPE_DIM
 BLOCKS = 512
 
 
+#: vLLM's ModelConfig of a DeepSeek-style model as ``settings.vllm_is_neox_style`` reads it
+DEEPSEEK_CONFIG = SimpleNamespace(use_mla=True, using_transformers_backend=lambda: False)
+
+
 def mla_shape(tp: int = 1) -> EngineShape:
+    """The worker's shape of a small MLA model, its pairing read from the model config as the
+    connector reads it (``engine_shape``; no ``rope_is_neox_style`` set)."""
     layout = KVLayout.mla(num_layers=LAYERS, kv_lora_rank=RANK, qk_rope_head_dim=ROPE_DIM, dtype="bfloat16")
     inv = (1.0 / (10000.0 ** (torch.arange(0, ROPE_DIM, 2, dtype=torch.float32) / ROPE_DIM))).tolist()
-    rope = RopeSpec(rotary_dim=ROPE_DIM, key_dim=ROPE_DIM, layout=RotaryLayout.LEADING, pairing=Pairing.INTERLEAVED,
+    pairing = Pairing.from_neox_style(vllm_is_neox_style(DEEPSEEK_CONFIG))
+    rope = RopeSpec(rotary_dim=ROPE_DIM, key_dim=ROPE_DIM, layout=RotaryLayout.TRAILING, pairing=pairing,
                     inv_freq=tuple(inv))
     identity = CacheIdentity(model_id="fake-mla", kv_layout=layout.fingerprint(), rope_fingerprint=rope.fingerprint,
                              block_size=BLOCK, namespace=uuid.uuid4().hex)
@@ -141,3 +150,30 @@ def test_mla_shape_names_no_tensor_parallel_shard():
     assert [shape.for_rank(r).identity.shard for r in range(4)] == [""] * 4
     assert [shape.for_rank(r).stores for r in range(4)] == [True, False, False, False]
     assert dataclasses.replace(shape, mla=False).for_rank(1).identity.shard == "tp1of4"
+
+
+def test_a_deepseek_models_pairing_is_read_from_its_config_and_passes_the_workers_check():
+    """vLLM rotates every MLA model's ``k_pe`` with ``is_neox_style=False``
+    (vllm/model_executor/models/deepseek_v2.py), so the connector derives GPT-J pairing from
+    ``use_mla`` without ``rope_is_neox_style`` being set; the worker's check at
+    ``register_kv_caches`` accepts the rotary embeddings such a model builds (``k_pe``'s, and
+    DeepSeek-V3.2's indexer rotating its own keys the other way), and refuses a pairing none of
+    them uses, naming the setting."""
+    shape = mla_shape()
+    assert vllm_is_neox_style(DEEPSEEK_CONFIG) is False and shape.rope.pairing is Pairing.INTERLEAVED
+    assert vllm_is_neox_style(SimpleNamespace(use_mla=False)) is True  # vLLM's get_rope default
+    transformers_backend = SimpleNamespace(use_mla=True, using_transformers_backend=lambda: True)
+    assert vllm_is_neox_style(transformers_backend) is None  # HF's code rotates: its family table decides
+
+    def emb(neox: bool, dims: int = ROPE_DIM) -> SimpleNamespace:
+        return SimpleNamespace(head_size=dims, rotary_dim=dims, is_neox_style=neox)
+
+    vision = emb(True, 32)  # another size: not the cached key's
+    check_rope_pairing(shape.rope, [emb(False), vision])
+    check_rope_pairing(shape.rope, [emb(False), emb(True), vision])  # + the V3.2 indexer's
+    with pytest.raises(Refused, match="rope_is_neox_style") as info:
+        check_rope_pairing(shape.rope, [emb(True), vision])
+    assert "is_neox_style=True" in str(info.value) and "assumes False" in str(info.value)
+    with pytest.raises(Refused, match="rotary embedding"):
+        check_rope_pairing(shape.rope, [vision])
+    check_rope_pairing(shape.rope, [])  # no registry entries: nothing to check against
