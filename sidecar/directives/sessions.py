@@ -280,7 +280,7 @@ class SessionTable:
             exact = held.unbacked_exact(start, end)
             hint = (
                 f" ({exact} of them were re-prefilled by a forget directive: only a copy computed from the edited "
-                "text backs them, so Delete older stored copies of the same content)" if exact else ""
+                "text backs them)" if exact else ""
             )
             raise FailedPrecondition(
                 f"session {session_id}: {count} of the {end - start} positions in [{start}, {end}) have no stored "

@@ -5,7 +5,10 @@ Lookup (docs/architecture.md, "The reuse path")::
     tokens ──CDC──> chunks c0..cm  (bounds, per-scope keys, prefix digests: one compiled pass)
     skip chunks wholly inside the engine's own prefix
     for each remaining chunk (per chunk, never per token):
-        entry = own-scope key or shared-scope key       (one C-level map per scope)
+        copy  = the chunk's copy computed after this very left context, own scope or shared
+                (``variant_key(chunk key, prefix digest)``): verified and at this position it
+                is an EXACT hit, preferred (docs/architecture.md, "Copies of one chunk")
+        entry = else own-scope key or shared-scope key  (one C-level map per scope)
         verify stored tokens == prompt tokens            (a 64-bit hash is never trusted alone)
         exact   = same source position and same whole left context (prefix digest)
         admit by policy: exact | position_independent (+ window W)

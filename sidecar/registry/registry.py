@@ -10,6 +10,12 @@ Recency is an ``OrderedDict`` (``move_to_end`` on hit or refresh, ``popitem(last
 evict): O(1), no allocation on the hit path. Capacity is bounded in entries and in bytes; the
 byte count is what an entry holds in memory (token bytes + left context + a fixed overhead).
 
+Copies of one chunk (docs/architecture.md, "Copies of one chunk"): an entry with ``base_key``
+is another stored copy of that chunk, computed after another left context, under its own key.
+The registry keeps each chunk's other copies in recency order and bounds them
+(``copies_per_chunk``): past the bound the least recently used other copy is evicted (reason
+``copies``); the canonical copy is never evicted for it.
+
 Resident claims: keys in ``protected`` (maintained by ``sidecar.claims``) are skipped by LRU
 eviction (a skipped entry moves to the most-recent end, so each eviction stays O(1) amortized);
 when only protected entries are left the registry stays over capacity rather than break a claim.
