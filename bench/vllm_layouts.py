@@ -10,9 +10,12 @@ makes (``clients.vllm.worker_side``), on one intra-op thread as the worker runs 
 * ``load``: ``StandardKV.scatter`` / ``LatentKV.scatter`` of the run's rows (``[L, 2, n, H, D]`` /
   ``[L, n, C]``) at its positions, given the request's block table;
 * ``save``: ``gather`` of the same positions back into new rows;
-* ``copy``: ``dst.copy_(rows)`` of the same number of bytes into a contiguous buffer (the floor).
+* ``copy``: ``dst.copy_(rows)`` of the same number of bytes into a contiguous buffer (the floor);
+* ``new_copy``: ``torch.empty_like(rows).copy_(rows)``: the floor of a copy into new memory,
+  which is what ``gather`` returns (its first touch costs page faults on the host).
 
-Reported: GB/s of each and ``load / copy``, ``save / copy`` (goal: >= 0.5 on CPU tensors).
+Reported: GB/s of each and ``load / copy``, ``save / copy``, ``save / new_copy`` (goal: load and
+save >= 0.5 of copy on CPU tensors).
 Run: ``./dev bench vllm_layouts`` (about a minute); ``--device cuda`` on a GPU. Writes
 bench/results/vllm_layouts.json (CPU) or vllm_layouts_cuda.json.
 """
@@ -106,22 +109,25 @@ def main(argv: list[str] | None = None) -> int:
         floor = torch.empty_like(src)
         for name, order in LAYOUTS.items():
             cache = cache_for(spec, build(spec, order, device, LAYERS, BLOCKS))
-            load_s = copy_s = save_s = float("inf")
+            load_s = copy_s = save_s = new_s = float("inf")
             with single_threaded():  # the worker's copies run on one intra-op thread
                 for _ in range(3):  # interleaved rounds: a noisy neighbour hits every arm alike
                     load_s = min(load_s, timed(lambda: cache.scatter(src, table, positions), args.reps, sync))
                     copy_s = min(copy_s, timed(lambda: floor.copy_(src), args.reps, sync))
                     save_s = min(save_s, timed(lambda: cache.gather(table, positions, host=not cuda), args.reps, sync))
+                    new_s = min(new_s, timed(lambda: torch.empty_like(src).copy_(src), args.reps, sync))
             assert torch.equal(cache.gather(table, positions, host=not cuda), src)
             row = {
                 "kind": kind, "layout": name, "bytes": nbytes,
                 "load_gbps": round(nbytes / load_s / 1e9, 2), "save_gbps": round(nbytes / save_s / 1e9, 2),
-                "copy_gbps": round(nbytes / copy_s / 1e9, 2),
+                "copy_gbps": round(nbytes / copy_s / 1e9, 2), "new_copy_gbps": round(nbytes / new_s / 1e9, 2),
                 "load_over_copy": round(copy_s / load_s, 3), "save_over_copy": round(copy_s / save_s, 3),
+                "save_over_new_copy": round(new_s / save_s, 3),
             }
             rows.append(row)
             print(f"{kind} {name}: load {row['load_gbps']} GB/s ({row['load_over_copy']}x copy), save "
-                  f"{row['save_gbps']} GB/s ({row['save_over_copy']}x copy), copy {row['copy_gbps']} GB/s")
+                  f"{row['save_gbps']} GB/s ({row['save_over_copy']}x copy, {row['save_over_new_copy']}x new_copy), "
+                  f"copy {row['copy_gbps']} GB/s, new_copy {row['new_copy_gbps']} GB/s")
     worst = min(min(r["load_over_copy"], r["save_over_copy"]) for r in rows)
     doc = {
         "what": "the vLLM worker's StandardKV / LatentKV scatter (load) and gather (save) vs a plain copy_ of the "
