@@ -20,9 +20,10 @@ CPU and CUDA tensors and no per-token Python:
   ``index_select`` over the block axis per layer, the partial ends (at most ``2 * (block_size -
   1)`` tokens a run) by (block, offset) pairs.
 
-Each direction is the faster of the two ways compared on CPU tensors (block-wise reads beat
-per-token reads; block-wise writes, whose source must be transposed into the block, did not
-beat per-token writes); ``bench/vllm_layouts.py`` times exactly these methods.
+Each direction is the faster of the two ways compared on CPU tensors: block-wise reads beat
+per-token reads in every layout; block-wise writes were slower for GQA in most layouts (their
+source must be transposed into the block) and about even for MLA. ``bench/vllm_layouts.py``
+times exactly these methods.
 
 ``PagedSpec.from_vllm`` reads what the copies need from vLLM's ``KVCacheSpec`` by attribute
 (no vLLM import, so the main test suite runs it) and refuses what it cannot serve with one
