@@ -109,17 +109,17 @@ def check_rotation(tokens: int) -> tuple[list[dict], bool]:
     return rows, ok
 
 
-def check_layouts(tokens: int, device: str = "cuda") -> tuple[list[dict], bool]:
-    """The worker's copies (see the module docstring) in every layout, GQA and MLA; ``device="cpu"``
-    runs the same checks through the CPU path (no pinned buffer, no stream), untimed, for the main
-    test suite."""
+def check_layouts(tokens: int, device: str = "cuda", timed: bool = True) -> tuple[list[dict], bool]:
+    """The worker's copies (see the module docstring) in every layout, GQA and MLA, timed over
+    ``tokens`` on a 32-layer cache when ``timed``; ``device="cpu"`` runs the same checks through
+    the CPU path (no pinned buffer, no stream), untimed, for the main test suite."""
     from bench.vllm_layouts import LAYOUTS, build, cache_for, rows_for, specs
     from clients.vllm.staging import Staging
 
-    cuda = device == "cuda"
+    timed = timed and device == "cuda"
     gen = torch.Generator().manual_seed(0)
     small_layers, small_blocks, block_size = 4, 64, 16
-    layers, blocks = (32, 4096) if cuda else (small_layers, small_blocks)
+    layers, blocks = 32, max(4096, math.ceil(tokens / block_size))
     table = torch.randperm(blocks, generator=gen)[: math.ceil(tokens / block_size)]
     positions = torch.arange(3, tokens)  # a partial first block, whole blocks, a partial tail
     check_table = torch.randperm(small_blocks, generator=gen)[: math.ceil(300 / block_size)]
@@ -140,7 +140,7 @@ def check_layouts(tokens: int, device: str = "cuda") -> tuple[list[dict], bool]:
     out, ok = [], True
     for kind, spec in specs(block_size).items():
         small = rows_for(spec, small_layers, len(check_positions), gen)
-        rows = rows_for(spec, layers, len(positions), gen) if cuda else None
+        rows = rows_for(spec, layers, len(positions), gen) if timed else None
         for name, order in LAYOUTS.items():
             ref = cache_for(spec, build(spec, order, "cpu", small_layers, small_blocks))
             ref.scatter(small, check_table, check_positions)
@@ -150,7 +150,7 @@ def check_layouts(tokens: int, device: str = "cuda") -> tuple[list[dict], bool]:
                       and torch.equal(save(dev, check_table, check_positions), small))
             ok &= passed
             row = {"kind": kind, "layout": name, "correct": passed}
-            if cuda:
+            if timed:
                 big = cache_for(spec, build(spec, order, device, layers, blocks))
                 nbytes = rows.numel() * rows.element_size()
                 pinned = rows.pin_memory()
