@@ -13,7 +13,7 @@ byte count is what an entry holds in memory (token bytes + left context + a fixe
 Copies of one chunk (docs/architecture.md, "Copies of one chunk"): an entry with ``base_key``
 is another stored copy of that chunk, computed after another left context, under its own key.
 The registry keeps each chunk's other copies in recency order and bounds them
-(``copies_per_chunk``): past the bound the least recently used other copy is evicted (reason
+(``copies_per_chunk``, more for short chunks: ``copy_tokens_per_chunk``): past the bound the least recently used other copy is evicted (reason
 ``copies``); the canonical copy is never evicted for it.
 
 Resident claims: keys in ``protected`` (maintained by ``sidecar.claims``) are skipped by LRU
@@ -80,6 +80,12 @@ class RegistryConfig:
     #: copy (stored or served longest ago) goes, payload included; the canonical copy and
     #: claimed copies stay. 1: the first stored copy only.
     copies_per_chunk: int = 4
+    #: ... and a short chunk keeps more other copies while they hold at most this many tokens
+    #: together: the pieces a chat template repeats in every message (a 3-token turn opener)
+    #: recur at as many positions as a history has messages, and each is needed for the exact
+    #: prefix; a 128-token chunk keeps max(copies_per_chunk - 1, 512 // 128) = 4 other copies, a
+    #: 3-token one 170. 0: ``copies_per_chunk`` alone.
+    copy_tokens_per_chunk: int = 512
 
     def __post_init__(self) -> None:
         if self.capacity_entries <= 0:
@@ -97,6 +103,14 @@ class RegistryConfig:
             raise ValueError("registry.seed_min_tokens must be >= 0")
         if not 1 <= self.copies_per_chunk <= 64:
             raise ValueError(f"registry.copies_per_chunk must be in [1, 64], got {self.copies_per_chunk}")
+        if not 0 <= self.copy_tokens_per_chunk <= 1 << 20:
+            raise ValueError(f"registry.copy_tokens_per_chunk must be in [0, 1048576], got {self.copy_tokens_per_chunk}")
+
+    def max_copies(self, num_tokens: int) -> int:
+        """How many other copies (besides its canonical one) a chunk of ``num_tokens`` keeps."""
+        if self.copies_per_chunk <= 1:
+            return 0
+        return max(self.copies_per_chunk - 1, self.copy_tokens_per_chunk // max(num_tokens, 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,8 +347,8 @@ class InMemoryRegistry:
         ``source_pos`` and context (stored KV is always rotated from its source position) and
         only moves to the most-recent end. An existing entry whose tokens differ (a 64-bit
         collision) is left alone and the insert is refused (counted as a verify failure).
-        A copy of another chunk (``base_key``) counts against that chunk's
-        ``copies_per_chunk``: past it, the least recently used other copy that is not claimed
+        A copy of another chunk (``base_key``) counts against that chunk's bound
+        (``RegistryConfig.max_copies``): past it, the least recently used other copy that is not claimed
         is evicted (reason ``copies``). Evicts least-recently-used entries until both
         capacities hold.
         """
@@ -376,11 +390,12 @@ class InMemoryRegistry:
         return True
 
     def _add_copy(self, entry: ChunkEntry) -> None:
-        """Count a registered copy against its chunk's bound (``copies_per_chunk``); past it,
-        evict the least recently used other copies that are not claimed (never ``entry``)."""
+        """Count a registered copy against its chunk's bound (``RegistryConfig.max_copies``);
+        past it, evict the least recently used other copies that are not claimed (never
+        ``entry``)."""
         others = self._copies.setdefault(entry.base_key, OrderedDict())
         others[entry.key] = None
-        over = len(others) - (self.config.copies_per_chunk - 1)
+        over = len(others) - self.config.max_copies(entry.num_tokens)
         if over <= 0:
             return
         protected = self.protected

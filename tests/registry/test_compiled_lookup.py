@@ -276,7 +276,7 @@ def random_query(rng: np.random.Generator, n: int) -> dict:
     dict(capacity_entries=60, scope_share=0.6),  # evictions all along
     dict(seed_interval=2),  # seeds everywhere
     dict(seed_interval=0),
-    dict(copies_per_chunk=2),  # copies replaced all along
+    dict(copies_per_chunk=2, copy_tokens_per_chunk=0),  # copies replaced all along
     dict(copies_per_chunk=1),  # the first copy only
 ])
 def test_compiled_plans_equal_the_reference(seed, config):
@@ -316,7 +316,7 @@ def test_compiled_plans_equal_the_reference_on_repeated_content(seed, copies):
     bound; every Lookup plans the same on both planners, and copies do serve exact hits."""
     rng = np.random.default_rng(100 + seed)
     vocab = int(rng.choice([40, ANCHOR_BASE]))
-    twin = Twin(rng, copies_per_chunk=copies)
+    twin = Twin(rng, copies_per_chunk=copies, copy_tokens_per_chunk=0 if copies == 2 else 512)
     msgs = [document(rng, vocab) for _ in range(4)]
 
     def history() -> np.ndarray:
@@ -340,7 +340,8 @@ def test_compiled_plans_equal_the_reference_on_repeated_content(seed, copies):
     assert twin.copy_hits > 0
     reg = twin.cmp.registry
     for base, others in reg._copies.items():
-        assert len(others) <= copies - 1 or all(k in reg.protected for k in others)
+        n = reg.peek(next(iter(others))).num_tokens
+        assert len(others) <= reg.config.max_copies(n) or all(k in reg.protected for k in others)
 
 
 def test_recovered_entry_falls_back_once_then_compiles(rng):

@@ -142,11 +142,11 @@ async def test_a_chunk_repeated_three_times_is_exact_at_every_occurrence(rng, me
 
 
 async def test_copies_are_bounded_per_chunk(rng):
-    """registry.copies_per_chunk 2: the canonical copy and one more. Each new left context's
+    """registry.copies_per_chunk 2 (and no token allowance): the canonical copy and one more. Each new left context's
     copy replaces the least recently used other copy (its payload leaves the tiers with it); the
     canonical copy stays. Every Lookup still plans correctly: EXACT from a held copy, else
     APPROXIMATE from the canonical one, with the right bytes either way."""
-    server, port = await start(registry=RegistryConfig(copies_per_chunk=2))
+    server, port = await start(registry=RegistryConfig(copies_per_chunk=2, copy_tokens_per_chunk=0))
     try:
         async with SidecarClient(f"127.0.0.1:{port}", tenant="a") as c:
             m = message(rng, 60, ANCHORS[1])  # one chunk (below the expected chunk size; checked)
@@ -217,7 +217,7 @@ def entry(key: int, base: int = 0, pos: int = 0, scope: str = "a") -> ChunkEntry
 def test_bound_and_replacement_rule():
     """Copies of one chunk beyond the bound: the least recently used other copy goes (a served
     hit refreshes a copy), never the canonical one, never a claimed one; events say why."""
-    reg = InMemoryRegistry(RegistryConfig(copies_per_chunk=3, compiled_lookup=False))
+    reg = InMemoryRegistry(RegistryConfig(copies_per_chunk=3, copy_tokens_per_chunk=0, compiled_lookup=False))
     reg.insert(entry(1))
     for k in (11, 12):
         assert reg.insert(entry(k, base=1, pos=k))
@@ -238,9 +238,24 @@ def test_bound_and_replacement_rule():
     # the canonical copy evicted or deleted: its copies stay (each still an exact hit)
     reg.delete(1)
     assert sorted(reg.copies(11)) == [11, 14]
-    # copies_per_chunk 1: the first stored copy only (no other copy is ever made)
-    with pytest.raises(ValueError, match="copies_per_chunk"):
+    with pytest.raises(ValueError, match="registry.copies_per_chunk"):
         RegistryConfig(copies_per_chunk=0)
+    with pytest.raises(ValueError, match="registry.copy_tokens_per_chunk"):
+        RegistryConfig(copy_tokens_per_chunk=-1)
+
+
+def test_short_chunks_keep_more_copies():
+    """copy_tokens_per_chunk: a short chunk (a template piece repeated in every message) keeps
+    other copies while they hold at most that many tokens; a long one copies_per_chunk - 1."""
+    cfg = RegistryConfig(copies_per_chunk=3, copy_tokens_per_chunk=20, compiled_lookup=False)
+    assert [cfg.max_copies(n) for n in (1, 4, 8, 10, 128)] == [20, 5, 2, 2, 2]
+    assert RegistryConfig(copies_per_chunk=1).max_copies(1) == 0  # the first copy only
+    reg = InMemoryRegistry(cfg)
+    reg.insert(entry(1))  # 4 tokens: 5 other copies
+    for k in range(11, 18):
+        reg.insert(entry(k, base=1, pos=k))
+    assert sorted(reg.copies(1)) == [1, 13, 14, 15, 16, 17]
+    assert [ev.key for ev in reg.take_events()] == [11, 12]
 
 
 # --------------------------------------------------------------------- peers (shared registry)
