@@ -38,7 +38,7 @@ kv_sidecar_rotation_bytes / _seconds            key bytes rotated on Fetch and t
 kv_sidecar_registry_entries / _bytes            registry size (gauges)
 kv_sidecar_registry_seeds                       seed windows indexed (gauge; 32-64 bytes each)
 kv_sidecar_registry_evictions_total{reason}     evictions (capacity_entries | capacity_bytes |
-                                                deleted)
+                                                scope_share | copies | deleted)
 kv_sidecar_registry_verify_failures_total       fingerprint hits whose tokens did not match
 kv_sidecar_sessions                             mirrored engine sessions open (gauge)
 kv_sidecar_splices_total{mode,outcome}          Splice plans by mode (amortize | forget: any
