@@ -172,6 +172,28 @@ def _merge(F, nf, parts, nparts, G, ng, gparts, ngparts):
     return M, nm, mparts, nparts + ngparts
 
 
+#: ``_served`` outcomes other than the slot itself
+_UNSERVED = -1  # another tenant's, or not resident where only resident entries are served
+_MISMATCH = -2  # the stored tokens differ from the prompt's (a 64-bit collision): a counted miss
+_NO_TOKENS = -3  # the entry's tokens are not in the mirror: the Python planner plans this prompt
+
+
+@numba.njit(cache=True, nogil=True)
+def _served(s, si, arena, tok, a, b, own_sid, shared_sid, serve_observed):
+    """Slot ``s`` if it may serve ``tok[a:b]`` (visible to the caller, served, its stored tokens
+    verified), else one of the outcomes above."""
+    sc = si[s, I_SCOPE]
+    if (sc != own_sid and sc != shared_sid) or (not serve_observed and si[s, I_RESIDENT] == 0):
+        return _UNSERVED
+    ln = si[s, I_LEN]
+    if ln <= 0:
+        return _NO_TOKENS
+    off = si[s, I_OFF]
+    if ln != b - a or _leading(tok[a:b], arena[off : off + ln], ln) != ln:
+        return _MISMATCH
+    return s
+
+
 @numba.njit(cache=True, nogil=True)
 def plan_chunks(tok, bounds, fps, prefix, epl, own_sid, shared_sid, exact_only, k, repair_chunks, min_hit,
                 ext_left, ext_right, serve_observed, key_seeds, chain_seed, seed_bits, seed_min, ht_key, ht_slot, su,
@@ -204,22 +226,15 @@ def plan_chunks(tok, bounds, fps, prefix, epl, own_sid, shared_sid, exact_only, 
         if s < 0 and nseeds > 1:
             s = find_slot(ht_key, ht_slot, _variant(fps[1, j], prefix[j]))
         if s >= 0:
-            sc = si[s, I_SCOPE]
-            if (sc != own_sid and sc != shared_sid) or (not serve_observed and si[s, I_RESIDENT] == 0):
+            s = _served(s, si, arena, tok, a, b, own_sid, shared_sid, serve_observed)
+            if s == _NO_TOKENS:
+                header[H_STATUS] = FALLBACK
+                return header
+            if s == _MISMATCH:
+                vfail += 1
+            if s >= 0 and (si[s, I_POS] != a or su[s, U_PREFIX] != prefix[j]):
                 s = -1
-            else:
-                ln = si[s, I_LEN]
-                if ln <= 0:
-                    header[H_STATUS] = FALLBACK
-                    return header
-                off = si[s, I_OFF]
-                if ln != b - a or _leading(tok[a:b], arena[off : off + ln], ln) != ln:
-                    vfail += 1
-                    s = -1
-                elif si[s, I_POS] != a or su[s, U_PREFIX] != prefix[j]:
-                    s = -1
         if s >= 0:
-            sc = si[s, I_SCOPE]
             exact = True
         else:
             s = find_slot(ht_key, ht_slot, fps[0, j])
@@ -227,20 +242,18 @@ def plan_chunks(tok, bounds, fps, prefix, epl, own_sid, shared_sid, exact_only, 
                 s = find_slot(ht_key, ht_slot, fps[1, j])
             if s < 0:
                 continue
-            sc = si[s, I_SCOPE]
-            if (sc != own_sid and sc != shared_sid) or (not serve_observed and si[s, I_RESIDENT] == 0):
-                continue
-            ln = si[s, I_LEN]
-            if ln <= 0:
+            s = _served(s, si, arena, tok, a, b, own_sid, shared_sid, serve_observed)
+            if s == _NO_TOKENS:
                 header[H_STATUS] = FALLBACK
                 return header
-            off = si[s, I_OFF]
-            if ln != b - a or _leading(tok[a:b], arena[off : off + ln], ln) != ln:
-                vfail += 1
+            if s < 0:
+                if s == _MISMATCH:
+                    vfail += 1
                 continue
             exact = si[s, I_POS] == a and su[s, U_PREFIX] == prefix[j]
             if not exact and exact_only:
                 continue
+        sc = si[s, I_SCOPE]
         if (a == last_end and si[s, I_POS] == si[last, I_POS] + si[last, I_NTOK] and sc == si[last, I_SCOPE]
                 and ((exact and last_exact)
                      or (su[last, U_NEXT_DIGEST] != _ZERO and su[s, U_PREFIX] == su[last, U_NEXT_DIGEST]))):
