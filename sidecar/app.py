@@ -50,6 +50,8 @@ from sidecar.api.service import INDEXER_METHODS, INDEXER_SERVICE_NAME, SERVICE_N
 from sidecar.server.edge import Edge
 from sidecar.server.kv import KVHandlers
 from sidecar.server.manifests import ManifestHandlers, ManifestService
+from sidecar.server.pool import PoolHandlers
+from sidecar.server.pool import run_reaper as run_pool_reaper
 from sidecar.routing.fleet import Fleet
 from sidecar.routing.models import ModelCatalog
 from sidecar.server.routing import RoutingHandlers
@@ -131,6 +133,8 @@ def build(config: SidecarConfig, *, session_table: SessionTable | None = None) -
         index, store, claims=ledger,
         publish_remote=shared is not None and config.shared_registry.publish_payloads and bool(shared.shared_tier),
         on_registry_eviction=lambda reason: metrics.evictions.labels(reason).inc(),
+        pool_lease_ttl_s=config.pool_lease_ttl_s, pool_reservation_ttl_s=config.pool_reservation_ttl_s,
+        pool_max_leases=config.pool_max_leases,
     )
     # The table's own per-tenant cap is the largest any tenant may have; the edge enforces
     # each tenant's limits.max_sessions before the table is asked.
@@ -158,6 +162,7 @@ def build(config: SidecarConfig, *, session_table: SessionTable | None = None) -
         ClaimHandlers(edge, config, claims),
         ManifestHandlers(edge, manifests),
         RoutingHandlers(edge, config, kv, fleet, ModelCatalog(config.routing.models)),
+        PoolHandlers(edge, kv, dataplane),
     )
     metrics.watch_registry(index.registry)
     metrics.watch_dataplane(dataplane)
@@ -217,6 +222,7 @@ class SidecarServer:
         self._sweeper: asyncio.Task | None = None
         self._rotation_warmup: threading.Thread | None = None
         self._claim_sweeper: asyncio.Task | None = None
+        self._pool_reaper: asyncio.Task | None = None
 
     async def start(self) -> int:
         cfg = self.config
@@ -252,6 +258,8 @@ class SidecarServer:
         await self.grpc.start()
         self._sweeper = asyncio.get_running_loop().create_task(self.sessions.run_sweeper(), name="session-expiry")
         self._claim_sweeper = asyncio.get_running_loop().create_task(self.claims.run_sweeper(), name="claim-expiry")
+        self._pool_reaper = asyncio.get_running_loop().create_task(
+            run_pool_reaper(self.dataplane, self.config.pool_lease_ttl_s / 4), name="pool-lease-expiry")
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         # The rotation kernels are compiled (or loaded from numba's cache) behind the serving
         # port: Lookups do not need them and a restart should not wait for them, but the first
@@ -311,10 +319,11 @@ class SidecarServer:
         began = time.monotonic()
         await self.grpc.stop(grace_s)
         await self.kv.drain()  # Stores committed by calls that are gone finish first
-        for task in (self._sweeper, self._claim_sweeper):
+        for task in (self._sweeper, self._claim_sweeper, self._pool_reaper):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        await self.dataplane.pool.close()  # leases released, reservations aborted
         await asyncio.to_thread(self.manifests.close)  # writes what the producer still buffers
         if self.shared_registry is not None:
             await self._set_registry_health(False)

@@ -192,6 +192,12 @@ class SidecarConfig:
     #: write Fetch / FetchSession payloads into the shared-memory buffer a client on this host
     #: names (sidecar/shm; docs/operations.md, "Shared-memory Fetch"); false: always inline
     fetch_shared_memory: bool = True
+    #: the shared pool (``store.cpu_shared``): how long a Fetch lease pins its chunks when its
+    #: engine does not release it (below ``store.io_timeout_s``: an Evict or Delete waits that
+    #: long for readers), how long a Store reservation stays open, and how many leases at once
+    pool_lease_ttl_s: float = 2.0
+    pool_reservation_ttl_s: float = 30.0
+    pool_max_leases: int = 4096
     #: gRPC server processes sharing ``port`` (SO_REUSEPORT), each with its own event loop, local
     #: registry and tiers; more than one needs the shared registry and the remote tier, through
     #: which the workers find and Fetch each other's chunks (docs/operations.md, "Workers").
@@ -221,6 +227,13 @@ class SidecarConfig:
             )
         if not 0 <= self.default_recompute_tokens <= self.chunker.max_size:
             raise ValueError(f"default_recompute_tokens must be in [0, chunker.max_size={self.chunker.max_size}]")
+        if not 0 < self.pool_lease_ttl_s < self.store.io_timeout_s:
+            raise ValueError(f"pool_lease_ttl_s must be in (0, store.io_timeout_s={self.store.io_timeout_s}): an "
+                             "Evict or Delete waits that long for a lease to end")
+        if self.pool_reservation_ttl_s <= 0:
+            raise ValueError("pool_reservation_ttl_s must be positive")
+        if self.pool_max_leases < 1:
+            raise ValueError("pool_max_leases must be >= 1")
         self.limits.check(store=self.store, forget_tenants=self.directives.forget_tenants)
         self._check_workers()
 

@@ -66,10 +66,12 @@ from sidecar.tiers import (
     Tier,
     chunk_key,
 )
+from sidecar.tiers.store_pool import Slot
 
 
 from sidecar.dataplane.fetch import FetchPath, check_layout
 from sidecar.dataplane.held import HeldPath
+from sidecar.dataplane.pool import PoolPath
 from sidecar.dataplane.records import DataPlaneCounters, StoreOutcome, decode_aux, encode_aux
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ class DataPlane(FetchPath, HeldPath):
     def __init__(
         self, index: ChunkIndex, store: TieredStore | StoreConfig, *, claims: ClaimLedger | None = None,
         publish_remote: bool = False, on_registry_eviction: Callable[[str], None] | None = None,
+        pool_lease_ttl_s: float = 2.0, pool_reservation_ttl_s: float = 30.0, pool_max_leases: int = 4096,
     ) -> None:
         """``store``: the tier store (or its config, to build one); ``claims``: the ledger whose
         guards every Store and sync consults (None: no claims); ``publish_remote``: Store also
@@ -104,6 +107,9 @@ class DataPlane(FetchPath, HeldPath):
         self.claims = claims
         self.on_registry_eviction = on_registry_eviction
         self._events_dropped_seen = 0
+        #: Fetch by lease and Store by reservation through the shared pool (``dataplane.pool``)
+        self.pool = PoolPath(self, lease_ttl_s=pool_lease_ttl_s, reservation_ttl_s=pool_reservation_ttl_s,
+                             max_leases=pool_max_leases)
 
     # ------------------------------------------------------------------ consistency
 
@@ -241,7 +247,7 @@ class DataPlane(FetchPath, HeldPath):
         scope: str,
         tenant: str,
         layout: KVLayout,
-        payloads: dict[int, bytearray],
+        payloads: dict[int, bytearray | Slot],
         register_from: int,
         chunked: tuple[list[ChunkEntry], int] | None = None,
     ) -> StoreOutcome:
@@ -288,6 +294,10 @@ class DataPlane(FetchPath, HeldPath):
                 self.claims.check_store(tenant, need)
         puts = [
             functools.partial(
+                self.store.put_slot, payloads[start], layout=layout,  # written in place in the shared pool
+                num_tokens=entries[start].num_tokens, tenant=tenant, scope=scope,
+                source_position=entries[start].source_pos, aux=encode_aux(entries[start]), publish=self.publish_remote,
+            ) if isinstance(payloads[start], Slot) else functools.partial(
                 self.store.put, chunk_key(entries[start].key), payloads[start], layout=layout,
                 num_tokens=entries[start].num_tokens, tenant=tenant, scope=scope,
                 source_position=entries[start].source_pos, aux=encode_aux(entries[start]), publish=self.publish_remote,

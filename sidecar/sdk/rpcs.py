@@ -43,6 +43,14 @@ from sidecar.api.kv import (
     stats_request,
     store_messages,
 )
+from sidecar.api.pool import (
+    abort_store_request,
+    commit_store_request,
+    lease_fetch_request,
+    map_pool_request,
+    release_lease_request,
+    reserve_store_request,
+)
 from sidecar.api.routing import score_request, score_result_from_wire
 from sidecar.api.manifests import (
     export_manifest_request,
@@ -181,6 +189,24 @@ class KVSidecarRpcs:
         it could serve of ``tokens`` from cache, planned like a Lookup with the same guards
         (``ScoreResult``: a ``ReplicaScore`` per live candidate in ``candidates``' order, and the
         ``absent`` ones). Changes nothing.""")
+
+    # ------------------------------------------------------------------- the shared pool
+    # sidecar.sdk.pool.PoolClient runs these; docs/operations.md, "The shared pool".
+    map_pool = Rpc("MapPool", map_pool_request, idempotent=True, doc="""
+        The sidecar's shared pool (``PoolInfo``: name, size, lease TTL); an empty name when it
+        has none or this client is not on its host.""")
+    lease_fetch = Rpc("LeaseFetch", lease_fetch_request, idempotent=False, doc="""
+        Where the hits of ``items`` are in the shared pool, pinned under one lease
+        (``LeaseFetchResponse``). Not retried: a retry would take a second lease.""")
+    release_lease = Rpc("ReleaseLease", release_lease_request, attrgetter("chunks"), idempotent=False, doc="""
+        End a lease; returns how many chunks it pinned.""")
+    reserve_store = Rpc("ReserveStore", reserve_store_request, idempotent=False, doc="""
+        Slots in the shared pool for the chunks of a Store (``ReserveStoreResponse``).""")
+    commit_store = Rpc("CommitStore", commit_store_request, StoreResult.from_wire, idempotent=False, doc="""
+        Store what the reservation's slots hold (``StoreResult``): ``chunks`` slots written,
+        ``payload_bytes`` in all (checked against the reservation).""")
+    abort_store = Rpc("AbortStore", abort_store_request, attrgetter("slots"), idempotent=False, doc="""
+        Drop a reservation unwritten; returns how many slots it freed.""")
 
     # ----------------------------------------------------------------------- manifests
     import_manifest = Rpc("ImportManifest", import_manifest_request, ImportResult.from_wire, idempotent=True, doc="""

@@ -214,17 +214,7 @@ class KVHandlers:
                 if header is not None:
                     raise InvalidArgument("header: sent more than once in one Store stream")
                 header = msg.header
-                self.edge.limits.check_tokens(tenant, len(header.tokens) // 4)  # before reading any payload
-                tokens = tokens_from_wire(header.tokens, "header.tokens", self.config.max_prompt_tokens)
-                identity = self.edge.identities.get(header.identity, header.HasField("identity"))
-                if header.register_from > len(tokens):
-                    raise InvalidArgument(
-                        f"header.register_from: {header.register_from} exceeds the sequence length {len(tokens)}"
-                    )
-                scope = tenant
-                if header.shared:
-                    self.edge.tenancy.check_shared_write(tenant)
-                    scope = SHARED_SCOPE
+                tokens, identity, scope = self.store_header(header, tenant)  # before reading any payload
             elif which == "payload":
                 if header is None:
                     raise InvalidArgument("header: the first Store message must carry the header")
@@ -307,43 +297,79 @@ class KVHandlers:
             )
         # Committed by the client: it completes (or is refused whole) even if the call is
         # cancelled now, so a cancel never leaves half a Store, or half its metrics, behind.
-        return await self._committed(work())
+        return await self.committed(work())
+
+    def store_header(self, header: wire.StoreHeader, tenant: str) -> tuple[np.ndarray, CacheIdentity, str]:
+        """A Store header's tokens, identity and scope (the tenant's, or shared when granted)."""
+        self.edge.limits.check_tokens(tenant, len(header.tokens) // 4)
+        tokens = tokens_from_wire(header.tokens, "header.tokens", self.config.max_prompt_tokens)
+        identity = self.edge.identities.get(header.identity, header.HasField("identity"))
+        if header.register_from > len(tokens):
+            raise InvalidArgument(
+                f"header.register_from: {header.register_from} exceeds the sequence length {len(tokens)}"
+            )
+        scope = tenant
+        if header.shared:
+            self.edge.tenancy.check_shared_write(tenant)
+            scope = SHARED_SCOPE
+        return tokens, identity, scope
+
+    def store_response(self, out: Any, identity: CacheIdentity, seconds: float) -> wire.StoreResponse:
+        """Count a Store that stored payloads and answer it."""
+        m = self.metrics
+        m.store_bytes.inc(out.stored_bytes)
+        m.store_seconds.observe(seconds)
+        if self.on_stored is not None and out.chunks_stored:
+            self.on_stored(identity)
+        m.store_chunks.labels("registered").inc(out.chunks_registered)
+        m.store_chunks.labels("refreshed").inc(out.chunks_refreshed)
+        m.store_chunks.labels("stored").inc(out.chunks_stored)
+        return wire.StoreResponse(
+            chunks_total=out.chunks_total,
+            chunks_registered=out.chunks_registered,
+            chunks_refreshed=out.chunks_refreshed,
+            chunks_observed=out.chunks_total - out.chunks_stored,
+            chunks_stored=out.chunks_stored,
+            chunk_bounds=np.asarray(out.bounds, dtype="<u4").tobytes(),
+        )
 
     async def _commit(self, tokens: np.ndarray, header: wire.StoreHeader, identity: CacheIdentity, scope: str,
                       tenant: str, layout: KVLayout | None, payloads: dict[int, bytearray],
                       chunked: tuple | None) -> wire.StoreResponse:
-        m = self.metrics
         if payloads:
             t0 = time.perf_counter()
             out = await self.dataplane.store_payloads(
                 tokens, header.tokens, identity, scope, tenant, layout, payloads, header.register_from, chunked
             )
-            m.store_bytes.inc(out.stored_bytes)
-            m.store_seconds.observe(time.perf_counter() - t0)
-            if self.on_stored is not None and out.chunks_stored:
-                self.on_stored(identity)
-            registered, refreshed, stored, bounds = (
-                out.chunks_registered, out.chunks_refreshed, out.chunks_stored, out.bounds
-            )
-            total = out.chunks_total
-        else:
-            result = self.index.register(tokens, header.tokens, identity, scope, register_from=header.register_from)
-            await self.dataplane.synced()
-            registered, refreshed, stored, bounds = (
-                result.chunks_registered, result.chunks_refreshed, 0, result.bounds
-            )
-            total = result.chunks_total
-        m.store_chunks.labels("registered").inc(registered)
-        m.store_chunks.labels("refreshed").inc(refreshed)
-        m.store_chunks.labels("stored").inc(stored)
+            return self.store_response(out, identity, time.perf_counter() - t0)
+        result = self.index.register(tokens, header.tokens, identity, scope, register_from=header.register_from)
+        await self.dataplane.synced()
+        m = self.metrics
+        m.store_chunks.labels("registered").inc(result.chunks_registered)
+        m.store_chunks.labels("refreshed").inc(result.chunks_refreshed)
         return wire.StoreResponse(
-            chunks_total=total,
-            chunks_registered=registered,
-            chunks_refreshed=refreshed,
-            chunks_observed=total - stored,
-            chunks_stored=stored,
-            chunk_bounds=np.asarray(bounds, dtype="<u4").tobytes(),
+            chunks_total=result.chunks_total,
+            chunks_registered=result.chunks_registered,
+            chunks_refreshed=result.chunks_refreshed,
+            chunks_observed=result.chunks_total,
+            chunks_stored=0,
+            chunk_bounds=np.asarray(result.bounds, dtype="<u4").tobytes(),
         )
+
+    def fetch_items(self, request: wire.FetchRequest, identity: CacheIdentity, tenant: str
+                    ) -> list[tuple[int, int]] | list[FetchSpec]:
+        """A Fetch's items under the caller's keys: ``(hash, target_pos)`` pairs, or, when any
+        item is a span, a ``FetchSpec`` per item (checked)."""
+        if len(request.items) > self.config.max_fetch_items:
+            raise InvalidArgument(f"items: {len(request.items)} exceeds max_fetch_items {self.config.max_fetch_items}")
+        key = self._plan_keys(request, identity, tenant)
+        if any(it.num_tokens or it.next_hashes or it.row_offset for it in request.items):
+            specs = [FetchSpec(key(it.chunk_hash), it.target_pos, it.num_tokens, it.row_offset,
+                               tuple(map(key, it.next_hashes)))
+                     for it in request.items]
+            check_spans(specs)
+            return specs
+        return [(key(it.chunk_hash), it.target_pos) for it in request.items]
 
     def _plan_keys(self, request: wire.FetchRequest, identity: CacheIdentity, tenant: str) -> Callable[[int], int]:
         """How the request's chunk hashes map to keys under ``identity``: as they are, or, with a
@@ -368,7 +394,7 @@ class KVHandlers:
         task.add_done_callback(self._commits.discard)
         return task
 
-    async def _committed(self, work: Coroutine[Any, Any, _T]) -> _T:
+    async def committed(self, work: Coroutine[Any, Any, _T]) -> _T:
         """``_spawn`` ``work`` and wait for its result, which a cancel of the call does not stop."""
         return await asyncio.shield(self._spawn(work))
 
@@ -391,15 +417,9 @@ class KVHandlers:
                 raise InvalidArgument("layout: required")
             layout = layout_from_wire(request.layout)
             rope = rope_from_wire(request.rope) if request.HasField("rope") else None
-            if len(request.items) > self.config.max_fetch_items:
-                raise InvalidArgument(f"items: {len(request.items)} exceeds max_fetch_items {self.config.max_fetch_items}")
-            key = self._plan_keys(request, identity, tenant)
-            if any(it.num_tokens or it.next_hashes or it.row_offset for it in request.items):
+            specs = self.fetch_items(request, identity, tenant)
+            if any(isinstance(it, FetchSpec) for it in specs):
                 # Span items (one per plan hit segment): expanded to per-chunk items, joined back.
-                specs = [FetchSpec(key(it.chunk_hash), it.target_pos, it.num_tokens, it.row_offset,
-                                   tuple(map(key, it.next_hashes)))
-                         for it in request.items]
-                check_spans(specs)
                 items, groups = expand_spans(specs, self.index.registry.peek)
                 if len(items) > self.config.max_fetch_items:
                     raise InvalidArgument(f"items: {len(items)} chunks exceed max_fetch_items {self.config.max_fetch_items}")
@@ -407,7 +427,7 @@ class KVHandlers:
                     tenant, identity, layout, rope, items, request.raw, self.config.max_fetch_bytes
                 ), groups, layout, as_pieces=shm is not None)  # into shared memory: gathered, not joined
             else:
-                items = [(key(it.chunk_hash), it.target_pos) for it in request.items]
+                items = specs
                 # Item by item (the data plane reads in bounded windows, duplicates once); every
                 # validation error and the max_fetch_bytes refusal come with the first result.
                 results = self.dataplane.fetch_stream(

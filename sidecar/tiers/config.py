@@ -88,6 +88,9 @@ class StoreConfig:
     gpu_device: str = "cuda"
     cpu_bytes: int = 256 * MiB
     cpu_align_bytes: int = 4096
+    #: the CPU pool in POSIX shared memory that engines on this host map (``sidecar.shm.pool``);
+    #: private when /dev/shm has no room for it (logged)
+    cpu_shared: bool = True
     disk_path: str | None = None
     disk_bytes: int = 0
     disk_workers: int = 2

@@ -72,6 +72,7 @@ from sidecar.tiers.events import EventBuffer, EventKind, Reason, TierEvent
 from sidecar.tiers.placement import Entry, Guard, Placement
 from sidecar.tiers.stats import Counters, StoreStats
 from sidecar.tiers.store_moves import STRIPES, NoRoom, check_key
+from sidecar.tiers.store_pool import StorePool
 from sidecar.tiers.store_reads import StoreReads
 from sidecar.tiers.store_writes import StoreWrites
 from sidecar.tiers.tier_io import TierIO
@@ -82,7 +83,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Guard", "TieredStore"]
 
 
-class TieredStore(StoreWrites, StoreReads):
+class TieredStore(StoreWrites, StoreReads, StorePool):
     """Chunk KV store over LMCache tiers. Thread-safe; every method may block on I/O (call it
     from a worker thread, e.g. ``asyncio.to_thread``, in an event-loop server).
 
@@ -103,6 +104,8 @@ class TieredStore(StoreWrites, StoreReads):
         self._closed = False
         self._active_reads = 0  # pins held by readers; close() waits for them before freeing pools
         self._active_puts = 0  # puts writing without the mover; close() waits for them too
+        self._slots = {}  # slots reserved in the shared pool, by slot id (``store_pool``)
+        self._leased = 0  # chunks pinned by the shared pool's leases
         self._events = EventBuffer(config.max_events)
         self._counters = Counters()
         self._io = TierIO(config)
@@ -337,6 +340,8 @@ class TieredStore(StoreWrites, StoreReads):
             if self._closed:
                 return
             self._closed = True
+        self._drop_all_slots()
+        with self._lock:
             drained = self._cv.wait_for(
                 lambda: self._active_reads == 0 and self._active_puts == 0, timeout=self._config.close_timeout_s
             )

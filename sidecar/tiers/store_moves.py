@@ -8,15 +8,17 @@ order and the placement rules are in ``sidecar.tiers.store``'s docstring.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 
+from sidecar.identity import KVLayout
 from sidecar.tiers.config import StoreConfig
 from sidecar.tiers.envelope import MAX_TEXT_CHARS
 from sidecar.tiers.errors import TierUnavailableError
@@ -58,6 +60,13 @@ def check_text(name: str, value: object) -> str:
     if len(value) > MAX_TEXT_CHARS:
         raise ValueError(f"{name} must be at most {MAX_TEXT_CHARS} characters")
     return value
+
+
+@functools.lru_cache(maxsize=256)
+def layout_fingerprint(layout: KVLayout) -> str:
+    """``layout.fingerprint()``, cached: it JSON-encodes the layout on every call (~50 us);
+    layouts are few."""
+    return layout.fingerprint()
 
 
 class StoreMoves:
@@ -152,16 +161,20 @@ class StoreMoves:
                         raise NoRoom(tier, fp, "pinned by readers")
                 self._move_down(victim, tier, Reason.QUOTA if over_share else Reason.CAPACITY)
 
-    def _stage_with_room(self, tier: Tier, key: ChunkKey, obj_nbytes: int) -> torch.Tensor:
-        """Stage in a pool tier (room reserved); when the allocator is fragmented, demote more."""
+    def _stage_with_room(self, tier: Tier, key: ChunkKey, obj_nbytes: int,
+                         stage: Callable[[], torch.Tensor | None] | None = None) -> torch.Tensor:
+        """Stage in a pool tier (room reserved); when the allocator is fragmented, demote more.
+        ``stage``: how to stage (default: ``stage(key, obj_nbytes)`` of the tier's backend)."""
         mem = self._io.mem[tier]
-        dst = mem.stage(key, obj_nbytes)
+        if stage is None:
+            stage = functools.partial(mem.stage, key, obj_nbytes)
+        dst = stage()
         if dst is not None:
             return dst
         deadline = time.monotonic() + self._config.pin_wait_s
         with self._mover:
             while True:
-                dst = mem.stage(key, obj_nbytes)
+                dst = stage()
                 if dst is not None:
                     return dst
                 with self._lock:

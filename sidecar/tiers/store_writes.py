@@ -4,7 +4,6 @@ must first make room takes the mover (``store_moves``)."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 
@@ -16,17 +15,11 @@ from sidecar.tiers.envelope import MAX_AUX_BYTES, object_nbytes
 from sidecar.tiers.errors import CapacityError, QuotaExceededError, TierUnavailableError
 from sidecar.tiers.events import Reason
 from sidecar.tiers.placement import Entry
-from sidecar.tiers.store_moves import NoRoom, StoreMoves, check_key, check_text
+from sidecar.tiers.store_moves import NoRoom, StoreMoves, check_key, check_text, layout_fingerprint
 from sidecar.tiers.tier_io import IOFailure, SourceLost, encode_into
 from sidecar.tiers.types import ChunkMeta, PutResult, Tier
 
 logger = logging.getLogger(__name__)
-
-
-@functools.lru_cache(maxsize=256)
-def _layout_fingerprint(layout: KVLayout) -> str:
-    # KVLayout.fingerprint() JSON-encodes the layout on every call (~50 us); layouts are few.
-    return layout.fingerprint()
 
 
 class StoreWrites(StoreMoves):
@@ -80,7 +73,7 @@ class StoreWrites(StoreMoves):
             key=key,
             tenant=tenant,
             scope=scope,
-            layout_fingerprint=_layout_fingerprint(layout),
+            layout_fingerprint=layout_fingerprint(layout),
             num_tokens=num_tokens,
             payload_nbytes=expected,
             source_position=source_position,

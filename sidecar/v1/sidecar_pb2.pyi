@@ -353,6 +353,134 @@ class FetchResponse(_message.Message):
     more: _containers.RepeatedCompositeFieldContainer[FetchResponse]
     def __init__(self, index: _Optional[int] = ..., status: _Optional[_Union[ChunkStatus, str]] = ..., num_tokens: _Optional[int] = ..., source_pos: _Optional[int] = ..., delta: _Optional[int] = ..., rotated: bool = ..., tier: _Optional[str] = ..., data: _Optional[bytes] = ..., last: bool = ..., shm_offset: _Optional[int] = ..., shm_length: _Optional[int] = ..., more: _Optional[_Iterable[_Union[FetchResponse, _Mapping]]] = ...) -> None: ...
 
+class MapPoolRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PoolInfo(_message.Message):
+    __slots__ = ("name", "size", "lease_ttl_s", "header_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    HEADER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    lease_ttl_s: float
+    header_bytes: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., header_bytes: _Optional[int] = ...) -> None: ...
+
+class PoolSlot(_message.Message):
+    __slots__ = ("index", "offset", "length", "num_tokens", "row_offset", "rows", "source_pos", "delta", "checksum", "stamp", "tier")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROW_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_POS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    STAMP_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    offset: int
+    length: int
+    num_tokens: int
+    row_offset: int
+    rows: int
+    source_pos: int
+    delta: int
+    checksum: int
+    stamp: int
+    tier: str
+    def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., num_tokens: _Optional[int] = ..., row_offset: _Optional[int] = ..., rows: _Optional[int] = ..., source_pos: _Optional[int] = ..., delta: _Optional[int] = ..., checksum: _Optional[int] = ..., stamp: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class LeaseFetchRequest(_message.Message):
+    __slots__ = ("fetch",)
+    FETCH_FIELD_NUMBER: _ClassVar[int]
+    fetch: FetchRequest
+    def __init__(self, fetch: _Optional[_Union[FetchRequest, _Mapping]] = ...) -> None: ...
+
+class LeaseFetchResponse(_message.Message):
+    __slots__ = ("pool", "lease", "ttl_s", "slots", "misses")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    lease: str
+    ttl_s: float
+    slots: _containers.RepeatedCompositeFieldContainer[PoolSlot]
+    misses: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool: _Optional[str] = ..., lease: _Optional[str] = ..., ttl_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[PoolSlot, _Mapping]]] = ..., misses: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease",)
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    lease: str
+    def __init__(self, lease: _Optional[str] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: int
+    def __init__(self, chunks: _Optional[int] = ...) -> None: ...
+
+class ReserveStoreRequest(_message.Message):
+    __slots__ = ("header", "chunk_starts")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_STARTS_FIELD_NUMBER: _ClassVar[int]
+    header: StoreHeader
+    chunk_starts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, header: _Optional[_Union[StoreHeader, _Mapping]] = ..., chunk_starts: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StoreSlot(_message.Message):
+    __slots__ = ("chunk_start", "offset", "length")
+    CHUNK_START_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    chunk_start: int
+    offset: int
+    length: int
+    def __init__(self, chunk_start: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ReserveStoreResponse(_message.Message):
+    __slots__ = ("pool", "reservation", "ttl_s", "slots", "held", "chunk_bounds")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    reservation: str
+    ttl_s: float
+    slots: _containers.RepeatedCompositeFieldContainer[StoreSlot]
+    held: _containers.RepeatedScalarFieldContainer[int]
+    chunk_bounds: bytes
+    def __init__(self, pool: _Optional[str] = ..., reservation: _Optional[str] = ..., ttl_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[StoreSlot, _Mapping]]] = ..., held: _Optional[_Iterable[int]] = ..., chunk_bounds: _Optional[bytes] = ...) -> None: ...
+
+class CommitStoreRequest(_message.Message):
+    __slots__ = ("reservation", "commit")
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    reservation: str
+    commit: StoreCommit
+    def __init__(self, reservation: _Optional[str] = ..., commit: _Optional[_Union[StoreCommit, _Mapping]] = ...) -> None: ...
+
+class AbortStoreRequest(_message.Message):
+    __slots__ = ("reservation",)
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    reservation: str
+    def __init__(self, reservation: _Optional[str] = ...) -> None: ...
+
+class AbortStoreResponse(_message.Message):
+    __slots__ = ("slots",)
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slots: int
+    def __init__(self, slots: _Optional[int] = ...) -> None: ...
+
 class EvictRequest(_message.Message):
     __slots__ = ("chunk_hashes", "tier")
     CHUNK_HASHES_FIELD_NUMBER: _ClassVar[int]

@@ -49,6 +49,36 @@ class KVSidecarStub(object):
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.FetchRequest.SerializeToString,
                 response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.FetchResponse.FromString,
                 _registered_method=True)
+        self.MapPool = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/MapPool',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.MapPoolRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.PoolInfo.FromString,
+                _registered_method=True)
+        self.LeaseFetch = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/LeaseFetch',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.LeaseFetchRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.LeaseFetchResponse.FromString,
+                _registered_method=True)
+        self.ReleaseLease = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/ReleaseLease',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.ReleaseLeaseRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ReleaseLeaseResponse.FromString,
+                _registered_method=True)
+        self.ReserveStore = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/ReserveStore',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.ReserveStoreRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ReserveStoreResponse.FromString,
+                _registered_method=True)
+        self.CommitStore = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/CommitStore',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.CommitStoreRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.StoreResponse.FromString,
+                _registered_method=True)
+        self.AbortStore = channel.unary_unary(
+                '/sidecar.v1.KVSidecar/AbortStore',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.AbortStoreRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.AbortStoreResponse.FromString,
+                _registered_method=True)
         self.Evict = channel.unary_unary(
                 '/sidecar.v1.KVSidecar/Evict',
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.EvictRequest.SerializeToString,
@@ -186,6 +216,43 @@ class KVSidecarServicer(object):
     def Fetch(self, request, context):
         """Stream chunk KV for a plan's hits, rotated to their target positions.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MapPool(self, request, context):
+        """The shared pool (same host): map it once, then Fetch by lease and Store by reservation.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaseFetch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLease(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReserveStore(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitStore(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortStore(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -357,6 +424,36 @@ def add_KVSidecarServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.FetchRequest.FromString,
                     response_serializer=sidecar_dot_v1_dot_sidecar__pb2.FetchResponse.SerializeToString,
+            ),
+            'MapPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.MapPool,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.MapPoolRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.PoolInfo.SerializeToString,
+            ),
+            'LeaseFetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaseFetch,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.LeaseFetchRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.LeaseFetchResponse.SerializeToString,
+            ),
+            'ReleaseLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLease,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ReleaseLeaseRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.ReleaseLeaseResponse.SerializeToString,
+            ),
+            'ReserveStore': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveStore,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.ReserveStoreRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.ReserveStoreResponse.SerializeToString,
+            ),
+            'CommitStore': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitStore,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.CommitStoreRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.StoreResponse.SerializeToString,
+            ),
+            'AbortStore': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortStore,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.AbortStoreRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.AbortStoreResponse.SerializeToString,
             ),
             'Evict': grpc.unary_unary_rpc_method_handler(
                     servicer.Evict,
@@ -555,6 +652,168 @@ class KVSidecar(object):
             '/sidecar.v1.KVSidecar/Fetch',
             sidecar_dot_v1_dot_sidecar__pb2.FetchRequest.SerializeToString,
             sidecar_dot_v1_dot_sidecar__pb2.FetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MapPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/MapPool',
+            sidecar_dot_v1_dot_sidecar__pb2.MapPoolRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.PoolInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaseFetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/LeaseFetch',
+            sidecar_dot_v1_dot_sidecar__pb2.LeaseFetchRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.LeaseFetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/ReleaseLease',
+            sidecar_dot_v1_dot_sidecar__pb2.ReleaseLeaseRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.ReleaseLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveStore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/ReserveStore',
+            sidecar_dot_v1_dot_sidecar__pb2.ReserveStoreRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.ReserveStoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitStore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/CommitStore',
+            sidecar_dot_v1_dot_sidecar__pb2.CommitStoreRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.StoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortStore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.KVSidecar/AbortStore',
+            sidecar_dot_v1_dot_sidecar__pb2.AbortStoreRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.AbortStoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,236 @@
+"""The shared pool's side of ``TieredStore``: reads by offset under a pin (leases) and writes
+into slots an engine fills in place (reservations).
+
+Both work on the CPU tier only, and only when its pool is shared (``CpuTier.pool``):
+
+* ``lease(keys)`` pins each key's CPU copy (a victim is never chosen while pinned) and answers
+  where its payload is; ``unlease`` drops the pins. The caller (the data plane's lease table)
+  bounds how long a pin lives. A chunk moving meanwhile (being demoted) is not leased.
+* ``reserve_slot(key, n, tenant)`` reserves the tenant's quota and the tier's room for one
+  object, demoting victims as a put would, and stages it under a slot id of its own; the
+  engine writes the payload at the slot's offset; ``put_slot`` then checksums it in place,
+  writes the header and indexes the chunk (a chunk that another Store indexed meanwhile wins:
+  the slot is freed, as a duplicate put changes nothing); ``drop_slot`` frees it unwritten.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from sidecar.identity import KVLayout
+from sidecar.tiers.codec import payload_nbytes
+from sidecar.tiers.envelope import HEADER_NBYTES, checksum, object_nbytes, write_header
+from sidecar.tiers.errors import CapacityError
+from sidecar.tiers.placement import Entry
+from sidecar.tiers.store_moves import NoRoom, StoreMoves, check_key, layout_fingerprint
+from sidecar.tiers.types import ChunkKey, ChunkMeta, PutResult, Tier
+
+
+@dataclass(slots=True)
+class PoolRead:
+    """One leased chunk: its payload at ``offset`` in the pool; ``stamp`` is the header's."""
+
+    entry: Entry
+    offset: int
+    stamp: int
+
+    @property
+    def meta(self) -> ChunkMeta:
+        return self.entry.meta
+
+
+@dataclass(slots=True)
+class Slot:
+    """One reserved object: the engine writes ``nbytes`` of payload at ``offset``."""
+
+    key: ChunkKey
+    id: bytes
+    tenant: str
+    nbytes: int
+    fp: int
+    view: torch.Tensor = field(repr=False)  # the whole object (header + payload)
+    offset: int = 0
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    @property
+    def payload(self) -> torch.Tensor:
+        return self.view[HEADER_NBYTES:]
+
+
+class StorePool(StoreMoves):
+    """``lease``/``unlease`` and ``reserve_slot``/``put_slot``/``drop_slot`` (see the module
+    docstring; ``sidecar.tiers.store`` for the lock model)."""
+
+    _slots: dict[bytes, Slot]
+    _leased: int
+
+    @property
+    def pool(self):
+        """The shared pool (``sidecar.shm.pool.PoolFile``), or None when there is none."""
+        cpu = self._io.mem.get(Tier.CPU)
+        return getattr(cpu, "pool", None)
+
+    # ------------------------------------------------------------------ leases
+
+    def lease(self, keys: list[bytes]) -> list[PoolRead | None]:
+        """Pin the CPU copy of each key and say where its payload is (None: not in the pool)."""
+        cpu = self._io.mem.get(Tier.CPU)
+        out: list[PoolRead | None] = [None] * len(keys)
+        if self.pool is None:
+            return out
+        with self._lock:
+            self._check_open()
+            for i, key in enumerate(keys):
+                e = self._place.entries.get(check_key(key))
+                if e is None or e.local is not Tier.CPU or e.moving:
+                    continue
+                e.readers[Tier.CPU] = e.readers.get(Tier.CPU, 0) + 1
+                self._leased += 1
+                self._place.touch(e, Tier.CPU)
+                out[i] = PoolRead(e, 0, 0)
+        for r in out:
+            if r is not None:
+                view = cpu.acquire(r.entry.key)
+                assert view is not None, f"CPU tier lost the pinned {r.entry.key.hex()}; placement bug"
+                try:
+                    r.offset = cpu.offset(view) + HEADER_NBYTES
+                    r.stamp = int.from_bytes(view[32:40].numpy().tobytes(), "little")
+                finally:
+                    cpu.release(r.entry.key)
+        return out
+
+    def unlease(self, reads: list[PoolRead]) -> None:
+        with self._lock:
+            for r in reads:
+                e = r.entry
+                n = e.readers.get(Tier.CPU, 0) - 1
+                if n > 0:
+                    e.readers[Tier.CPU] = n
+                else:
+                    e.readers.pop(Tier.CPU, None)
+                self._leased -= 1
+            self._cv.notify_all()
+
+    @property
+    def leased(self) -> int:
+        """Chunks pinned by leases now."""
+        return self._leased
+
+    # ------------------------------------------------------------------ slots
+
+    def reserve_slot(self, key: bytes, nbytes: int, tenant: str) -> Slot | None:
+        """A slot for ``key``'s payload of ``nbytes`` (None: the key is held already, or there is
+        no shared pool). Raises ``QuotaExceededError`` / ``CapacityError`` as ``put`` would."""
+        key = check_key(key)
+        cpu = self._io.mem.get(Tier.CPU)
+        if self.pool is None:
+            return None
+        obj_nbytes = object_nbytes(nbytes)
+        with self._lock:
+            self._check_open()
+            if key in self._place.entries:
+                return None
+            self._place.reserve_quota(tenant, nbytes)
+            self._active_puts += 1
+        fp = self._io.footprint(Tier.CPU, obj_nbytes)
+        slot_id = secrets.token_bytes(16)
+        try:
+            self._reserve_room(Tier.CPU, fp, tenant)
+            try:
+                view = self._stage_with_room(Tier.CPU, key, obj_nbytes, stage=lambda: cpu.stage_slot(slot_id, obj_nbytes))
+            except BaseException:
+                self._release(Tier.CPU, tenant, fp)
+                raise
+        except BaseException as exc:
+            with self._lock:
+                self._place.release_quota(tenant, nbytes)
+                self._active_puts -= 1
+                self._cv.notify_all()
+                if isinstance(exc, NoRoom):
+                    p = self._place
+                    self._counters.capacity_refusals += 1
+                    raise CapacityError(
+                        tier=Tier.CPU, requested_bytes=obj_nbytes, used_bytes=p.used[Tier.CPU],
+                        capacity_bytes=p.capacity[Tier.CPU], pinned_bytes=p.pinned_bytes(Tier.CPU),
+                        reason=exc.reason, guarded_bytes=p.guarded_bytes(Tier.CPU),
+                    ) from None
+            raise
+        view[:HEADER_NBYTES].zero_()  # no stale stamp: nothing reads this object before its commit
+        slot = Slot(key, slot_id, tenant, nbytes, fp, view, cpu.offset(view) + HEADER_NBYTES)
+        with self._lock:
+            self._active_puts -= 1
+            self._slots[slot_id] = slot
+            self._cv.notify_all()
+        return slot
+
+    def _take_slot(self, slot: Slot) -> None:
+        with self._lock:
+            if self._slots.pop(slot.id, None) is None:
+                raise ValueError("slot: not reserved here (committed, dropped or expired)")
+
+    def drop_slot(self, slot: Slot) -> bool:
+        """Free a slot that will not be committed; False when it was not reserved (any more)."""
+        try:
+            self._take_slot(slot)
+        except ValueError:
+            return False
+        self._free_slot(slot)
+        return True
+
+    def _free_slot(self, slot: Slot) -> None:
+        self._io.mem[Tier.CPU].abort_slot(slot.id)
+        self._release(Tier.CPU, slot.tenant, slot.fp)
+        with self._lock:
+            self._place.release_quota(slot.tenant, slot.nbytes)
+
+    def put_slot(self, slot: Slot, *, layout: KVLayout, num_tokens: int, tenant: str, scope: str | None = None,
+                 source_position: int = 0, aux: bytes = b"", publish: bool = False) -> PutResult:
+        """``put`` of a filled slot: checksummed as its bytes are now, its header written, and
+        indexed in the CPU tier, without a copy. The slot is used up either way."""
+        self._take_slot(slot)
+        key = slot.key
+        expected = payload_nbytes(layout, num_tokens)
+        if expected != slot.nbytes or tenant != slot.tenant:
+            self._free_slot(slot)
+            raise ValueError(f"slot: reserved for {slot.nbytes} B of tenant {slot.tenant!r}, committed as "
+                             f"{expected} B of {tenant!r}")
+        meta = ChunkMeta(key=key, tenant=tenant, scope=scope if scope is not None else tenant,
+                         layout_fingerprint=layout_fingerprint(layout), num_tokens=num_tokens,
+                         payload_nbytes=expected, source_position=source_position, aux=bytes(aux),
+                         created_at=time.time())
+        with self._stripe(key):
+            with self._lock:
+                existing = self._place.entries.get(key)
+                closed = self._closed
+            if closed or existing is not None:
+                self._free_slot(slot)
+                self._check_open()
+                with self._lock:
+                    self._counters.duplicate_puts += 1
+                published = self._publish(existing) if publish else existing.remote
+                return PutResult(key, existing.fastest() or Tier.REMOTE, False, published)
+            meta = replace(meta, checksum=checksum(slot.payload))
+            write_header(slot.view[:HEADER_NBYTES], meta)
+            self._io.mem[Tier.CPU].commit_slot(slot.id, key)
+            with self._lock:
+                e = Entry(meta=meta, obj_nbytes=object_nbytes(slot.nbytes))
+                self._place.add(e, quota_reserved=True)
+                self._place.attach(e, Tier.CPU, reserved=True)
+                c = self._counters
+                c.puts += 1
+                c.put_bytes += meta.payload_nbytes
+                c.tiers[Tier.CPU].write_bytes += e.obj_nbytes
+        published = self._publish(e) if publish else False
+        return PutResult(key, Tier.CPU, True, published)
+
+    def _drop_all_slots(self) -> None:
+        with self._lock:
+            slots, self._slots = list(self._slots.values()), {}
+        for slot in slots:
+            self._free_slot(slot)
