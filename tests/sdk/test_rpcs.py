@@ -18,6 +18,8 @@ SERVICE = pb.DESCRIPTOR.services_by_name["KVSidecar"]
 NOT_RETRIED = {
     "Evict", "Claim", "ReleaseClaim", "DemoteClaim", "AdmitActive", "OpenSession", "AppendSession", "GetSession",
     "CloseSession", "Splice", "CommitSplice", "AbortSplice", "WatchEvents",
+    # the shared pool: a retried lease or reservation would take a second one
+    "LeaseFetch", "ReleaseLease", "ReserveStore", "CommitStore", "AbortStore",
 }
 
 
