@@ -6,6 +6,9 @@ descriptors. A real sidecar over loopback gRPC, its CPU tier in /dev/shm, real L
 Every read a reader accepted (``PoolClient.intact`` said the stamps were still there) is checked
 byte for byte against the payload stored for its tokens and against the slot's xxh3 checksum: a
 mismatch is a torn read, and there must be none. Reads the stamps caught are counted, not failed.
+
+Over 600 lines: the pool's safety cases share one harness (a payload that is a function of its
+tokens, Store by either path, hit items, a bounded wait), kept in one file beside its tests.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from sidecar.api.kv import TENANT_HEADER, layout_to_wire
 from sidecar.app import ServerThread
 from sidecar.client import SyncSidecarClient
 from sidecar.config import AuthConfig
-from sidecar.errors import InvalidArgument, NotFound, ResourceExhausted
+from sidecar.errors import NotFound, ResourceExhausted
 from sidecar.sdk.pool import PoolClient
 from sidecar.shm.pool import FILE_PATTERN, FILE_PREFIX, MappedPool
 from sidecar.shm.segment import SHM_DIR
@@ -347,12 +350,92 @@ def test_a_killed_engine_leaves_no_pin_reservation_or_bytes(rng, tmp_path):
         assert c.delete([h for h, _ in hit_items(c, leased_tokens)]) == int(chunks)
 
 
+def _deadlines(call, reqs, md) -> int:
+    """Send each request with deadlines from 1 ms up (cancelled mid-handler, as when an engine
+    dies or gives up during the call); how many were cancelled."""
+    cancelled = 0
+    for i, req in enumerate(reqs):
+        try:
+            call(req, metadata=md, timeout=(0.001, 0.003, 0.01, 0.03, 0.1)[i % 5])
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc
+            cancelled += 1
+    return cancelled
+
+
+@pytest.mark.xfail(strict=True, reason="PoolPath.lease_fetch pins in a thread and records the lease only at the "
+                   "end: a call cancelled in between leaves pins no lease owns, never released")
+def test_a_lease_fetch_cancelled_mid_call_leaves_no_pin(rng, tmp_path):
+    cfg = config(cpu_bytes=8 * MiB, lease_ttl_s=0.5, io_timeout_s=3.0, disk_path=str(tmp_path / "kv"),
+                 disk_bytes=64 * MiB)
+    with served(cfg) as (st, c), grpc.insecure_channel(st.target) as ch:
+        items = []
+        for _ in range(12):  # more than the CPU tier holds: some hits are promoted from disk
+            tokens, _ = conversation(rng, 60)
+            store_stream(c, tokens)
+            items += hit_items(c, tokens)
+        stub = sidecar_pb2_grpc.KVSidecarStub(ch)
+        md = ((TENANT_HEADER, "a"),)
+        cancelled = _deadlines(stub.LeaseFetch, [wire.lease_fetch_request(IDENT, LAYOUT, items)] * 30, md)
+        assert cancelled > 0
+        store, plane = st.server.dataplane.store, st.server.dataplane
+        wait_until(lambda: plane.pool.leases == 0, "every granted lease expired")
+        # a pin whose lease was never recorded would never end: victims never chosen, Deletes wait
+        wait_until(lambda: store.leased == 0, "no pin outlives its call's lease", limit_s=10)
+
+
+@pytest.mark.xfail(strict=True, reason="PoolPath.reserve_store stages slots in a thread and records the "
+                   "reservation only at the end: a call cancelled in between leaves slots nobody aborts")
+def test_a_reserve_store_cancelled_mid_call_leaves_no_slot(rng):
+    with served(config(cpu_bytes=64 * MiB, reservation_ttl_s=0.5)) as (st, c), grpc.insecure_channel(st.target) as ch:
+        stub = sidecar_pb2_grpc.KVSidecarStub(ch)
+        md = ((TENANT_HEADER, "a"),)
+        used = cpu_used(st)
+        prompts = [np.concatenate([conversation(rng, 60)[0] for _ in range(4)]).astype(np.uint32) for _ in range(30)]
+        cancelled = _deadlines(stub.ReserveStore, [wire.reserve_store_request(p, IDENT, LAYOUT) for p in prompts], md)
+        assert cancelled > 0
+        plane = st.server.dataplane
+        wait_until(lambda: plane.pool.reservations == 0, "every granted reservation expired")
+        wait_until(lambda: cpu_used(st) == used, "no staged slot outlives its call's reservation", limit_s=10)
+        assert not any(c.lookup(p, identity=IDENT).hits() for p in prompts)
+
+
+@pytest.mark.xfail(strict=True, reason="PoolClient.intact/fetch check stamps only: a late write into an expired "
+                   "reservation's reused memory leaves the stamp, and the bytes are served as a hit")
+def test_a_stalled_engine_writing_an_expired_reservation_is_never_served(rng):
+    """An engine that stalls past ``pool_reservation_ttl_s`` and then writes its slots writes
+    memory the sidecar has reused for another chunk: a leased read of that chunk must not be
+    accepted with those bytes (the stamps are untouched: only the checksum tells)."""
+    with served(config(cpu_bytes=4 * MiB, reservation_ttl_s=0.5)) as (st, c):
+        pool = PoolClient(c)
+        tokens, _ = conversation(rng, 60)
+        w = pool.reserve(tokens, identity=IDENT, layout=LAYOUT)
+        base = pool.mapped.tensor.data_ptr()
+        stale = [(v.data_ptr() - base, v.data_ptr() - base + v.numel()) for v in w.slots.values()]
+        wait_until(lambda: st.server.dataplane.pool.reservations == 0, "the reservation expired")
+        store_stream(c, tokens)  # the same chunks, stored over the stream into the freed memory
+        items = hit_items(c, tokens)
+        fetched = pool.lease(items, identity=IDENT, layout=LAYOUT)
+        chunks = [ch for it in fetched.items for ch in it.chunks]
+        assert any(a < ch.offset + ch.length and ch.offset < b for ch in chunks for a, b in stale)  # reused
+        for v in w.slots.values():
+            v.fill_(0xAB)  # the stalled engine wakes up and writes its Store
+        bad = [ch for ch in chunks if xxhash.xxh3_64_intdigest(pool.chunk_view(ch).numpy()) != ch.checksum]
+        assert bad
+        assert not pool.intact(fetched)  # the stamps alone do not see it
+        pool.release(fetched)
+        for r, (_, pos) in zip(pool.fetch(items, identity=IDENT, layout=LAYOUT), items):
+            if r.ok:
+                want = expected(tokens[pos : pos + r.num_tokens]).view(torch.uint8)
+                assert torch.equal(torch.frombuffer(bytearray(r.data), dtype=torch.uint8), want)
+        assert not any(r.ok for r in c.fetch(items, identity=IDENT, layout=LAYOUT))  # the sidecar's own check
+
+
 # ---------------------------------------------------------------------------------------- restarts
 
 
 def test_a_restarted_sidecar_has_a_new_pool_and_the_client_remaps(rng):
-    cfg1 = config()
-    st1 = ServerThread(cfg1).start()
+    st1 = ServerThread(config()).start()
     port = st1.port
     c = SyncSidecarClient(st1.target, tenant="a")
     try:
@@ -486,10 +569,10 @@ def test_bad_input_is_refused_naming_the_field_and_changes_nothing(rng):
         pool.release(fetched)
         code, msg = _code(stub.ReleaseLease, pb.ReleaseLeaseRequest(lease=lease), md)
         assert code == NF and msg.startswith("lease:")
-        code, msg = _code(stub.CommitStore, pb.CommitStoreRequest(reservation="0" * 32, commit=pb.StoreCommit()), md)
-        assert code == NF and msg.startswith("reservation:")
-        code, msg = _code(stub.AbortStore, pb.AbortStoreRequest(reservation="0" * 32), md)
-        assert code == NF and msg.startswith("reservation:")
+        for rpc, req in ((stub.CommitStore, pb.CommitStoreRequest(reservation="0" * 32, commit=pb.StoreCommit())),
+                         (stub.AbortStore, pb.AbortStoreRequest(reservation="0" * 32))):
+            code, msg = _code(rpc, req, md)
+            assert code == NF and msg.startswith("reservation:")
         unchanged()
 
         other, _ = conversation(rng, 60)
@@ -508,7 +591,7 @@ def test_bad_input_is_refused_naming_the_field_and_changes_nothing(rng):
             assert code == NF and msg.startswith("reservation:")  # the reservation is gone
             unchanged()
         code, msg = _code(stub.CommitStore, pb.CommitStoreRequest(reservation="0" * 32), md)
-        assert code in (INV, NF)
+        assert code == INV and msg.startswith("commit"), msg  # no counts: refused before the lookup
 
         header = wire.reserve_store_request(other, IDENT, LAYOUT).header
         for starts in ([1], [0, 0], [len(other) + 5]):
@@ -532,11 +615,6 @@ def test_bad_input_is_refused_naming_the_field_and_changes_nothing(rng):
         assert code == INV and msg.startswith("fetch.layout"), msg
         unchanged()
         assert len(hit_items(c, tokens)) == len(items)  # the stored chunks are all still served
-
-
-@pytest.mark.skip(reason="a caller that is not on loopback cannot be simulated in-process")
-def test_a_caller_off_the_host_is_refused():
-    """LeaseFetch/ReserveStore from a non-loopback peer: FAILED_PRECONDITION naming ``pool``."""
 
 
 # ---------------------------------------------------------------------------------------- forged descriptors
