@@ -133,7 +133,7 @@ def build(config: SidecarConfig, *, session_table: SessionTable | None = None) -
         index, store, claims=ledger,
         publish_remote=shared is not None and config.shared_registry.publish_payloads and bool(shared.shared_tier),
         on_registry_eviction=lambda reason: metrics.evictions.labels(reason).inc(),
-        pool_lease_ttl_s=config.pool_lease_ttl_s, pool_reservation_ttl_s=config.pool_reservation_ttl_s,
+        pool_lease_ttl_s=config.lease_ttl_s, pool_reservation_ttl_s=config.pool_reservation_ttl_s,
         pool_max_leases=config.pool_max_leases,
     )
     # The table's own per-tenant cap is the largest any tenant may have; the edge enforces
@@ -259,7 +259,7 @@ class SidecarServer:
         self._sweeper = asyncio.get_running_loop().create_task(self.sessions.run_sweeper(), name="session-expiry")
         self._claim_sweeper = asyncio.get_running_loop().create_task(self.claims.run_sweeper(), name="claim-expiry")
         self._pool_reaper = asyncio.get_running_loop().create_task(
-            run_pool_reaper(self.dataplane, self.config.pool_lease_ttl_s / 4), name="pool-lease-expiry")
+            run_pool_reaper(self.dataplane, self.config.lease_ttl_s / 4), name="pool-lease-expiry")
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         # The rotation kernels are compiled (or loaded from numba's cache) behind the serving
         # port: Lookups do not need them and a restart should not wait for them, but the first

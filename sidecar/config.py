@@ -193,11 +193,17 @@ class SidecarConfig:
     #: names (sidecar/shm; docs/operations.md, "Shared-memory Fetch"); false: always inline
     fetch_shared_memory: bool = True
     #: the shared pool (``store.cpu_shared``): how long a Fetch lease pins its chunks when its
-    #: engine does not release it (below ``store.io_timeout_s``: an Evict or Delete waits that
-    #: long for readers), how long a Store reservation stays open, and how many leases at once
+    #: engine does not release it (at most half of ``store.io_timeout_s``, the longest an Evict
+    #: or Delete waits for readers: ``lease_ttl_s``), how long a Store reservation stays open,
+    #: and how many leases at once
     pool_lease_ttl_s: float = 2.0
     pool_reservation_ttl_s: float = 30.0
     pool_max_leases: int = 4096
+
+    @property
+    def lease_ttl_s(self) -> float:
+        """The lease TTL in force: ``pool_lease_ttl_s``, within half of ``store.io_timeout_s``."""
+        return min(self.pool_lease_ttl_s, self.store.io_timeout_s / 2)
     #: gRPC server processes sharing ``port`` (SO_REUSEPORT), each with its own event loop, local
     #: registry and tiers; more than one needs the shared registry and the remote tier, through
     #: which the workers find and Fetch each other's chunks (docs/operations.md, "Workers").
@@ -227,9 +233,8 @@ class SidecarConfig:
             )
         if not 0 <= self.default_recompute_tokens <= self.chunker.max_size:
             raise ValueError(f"default_recompute_tokens must be in [0, chunker.max_size={self.chunker.max_size}]")
-        if not 0 < self.pool_lease_ttl_s < self.store.io_timeout_s:
-            raise ValueError(f"pool_lease_ttl_s must be in (0, store.io_timeout_s={self.store.io_timeout_s}): an "
-                             "Evict or Delete waits that long for a lease to end")
+        if self.pool_lease_ttl_s <= 0:
+            raise ValueError("pool_lease_ttl_s must be positive")
         if self.pool_reservation_ttl_s <= 0:
             raise ValueError("pool_reservation_ttl_s must be positive")
         if self.pool_max_leases < 1:

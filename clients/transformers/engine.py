@@ -39,7 +39,8 @@ from sidecar.identity import CacheIdentity
 from sidecar.registry.anchors import anchor_token_ids
 from sidecar.registry.lookup_plan import Fidelity, LookupPlan, Segment, SegmentKind
 from sidecar.rotation import RopeSpec
-from sidecar.sdk.kit import store_chunks
+from sidecar.sdk.kit import is_stacked, store_chunks
+from sidecar.sdk.pool import PoolClient
 
 from clients.transformers.attention import MIN_ROWS, NAME as INVARIANT_ATTENTION
 from clients.transformers.cache import SequenceCache
@@ -116,6 +117,7 @@ class Engine:
         self.device = next(model.parameters()).device
         self.adapter = KVAdapter.from_model(model, rope=rope)
         self.sidecar = sidecar
+        self._pool: PoolClient | None | bool = None  # the sidecar's shared pool, mapped on first use
         self.reuse = reuse
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
         impl = getattr(model.config, "_attn_implementation", None)
@@ -284,10 +286,14 @@ class Engine:
             t0 = clock()
             # One Fetch item per hit segment (a span of chunks, rows in position order); hits are
             # all of the plan's (``min_fetch_tokens`` keeps all or none).
-            fetched = self.sidecar.fetch(
-                plan.fetch_spans(), identity=self.identity,
-                layout=self.layout, rope=self.rope, raw=reuse.rotation is not Rotation.SERVER,
-            )
+            pool = self._shared_pool(reuse) if reuse.rotation is Rotation.SERVER else None
+            if pool is not None:  # rotated here, straight from the sidecar's pool
+                fetched = pool.fetch(plan.fetch_spans(), identity=self.identity, layout=self.layout, rope=self.rope)
+            else:
+                fetched = self.sidecar.fetch(
+                    plan.fetch_spans(), identity=self.identity,
+                    layout=self.layout, rope=self.rope, raw=reuse.rotation is not Rotation.SERVER,
+                )
             tm.fetch_s = clock() - t0
         steps = _schedule(segments, fetched, n)
 
@@ -360,12 +366,24 @@ class Engine:
         if not chunks:
             return 0
         payloads = {a: self.adapter.payload(cache, a, b) for a, b in chunks}
-        res = self.sidecar.store(
+        pool = self._shared_pool(self.reuse)
+        res = (pool or self.sidecar).store(
             tokens, identity=self.identity, layout=self.layout, payloads=payloads,
             register_from=int(plan.chunk_bounds[0]),
             shared=shared,
         )
         return res.chunks_stored
+
+    def _shared_pool(self, reuse: ReusePolicy) -> PoolClient | None:
+        """The sidecar's shared pool when this engine may use it (on its host, GQA / MHA)."""
+        if not reuse.shared_pool or not is_stacked(self.layout):
+            return None
+        if self._pool is None:
+            try:
+                self._pool = PoolClient(self.sidecar)
+            except Exception:  # noqa: BLE001 - an older sidecar, or none: Fetch and Store
+                self._pool = False
+        return self._pool if self._pool and self._pool.available else None
 
     # ------------------------------------------------------------------ forward passes
 

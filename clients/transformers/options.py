@@ -48,6 +48,10 @@ class ReusePolicy:
     store: bool = True
     min_fetch_tokens: int = 32
     store_shared: bool = False  # Store into the shared scope (operator-granted tenants; warm-up)
+    #: on the sidecar's host, move KV through its shared pool (``sidecar.sdk.pool``: leased
+    #: Fetch rotated by the engine, reserved Store) when the Fetch rotates (``Rotation.SERVER``)
+    #: and the layout is GQA / MHA; otherwise, or when there is no pool, Fetch and Store
+    shared_pool: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rotation", Rotation(self.rotation))

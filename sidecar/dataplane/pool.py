@@ -67,6 +67,7 @@ class _Lease:
     tenant: str
     reads: list[PoolRead]
     deadline: float
+    granting: bool = False  # its grant is still pinning: not reaped meanwhile
 
 
 @dataclass(slots=True)
@@ -93,6 +94,7 @@ class PoolPath:
         self.max_leases = max_leases
         self._leases: dict[str, _Lease] = {}
         self._reservations: dict[str, Reservation] = {}
+        self._tasks: set[asyncio.Task] = set()  # grants that finish even when their call is cancelled
         self.expired_leases = 0
         self.expired_reservations = 0
 
@@ -139,52 +141,78 @@ class PoolPath:
         if max_bytes is not None and total > max_bytes:
             raise ResourceExhausted(f"max_fetch_bytes: the hits of this Fetch hold {total} payload bytes, more "
                                     f"than {max_bytes}; split it into smaller Fetches")
+        # Pinning runs to its end even if this call is cancelled meanwhile (a deadline, a killed
+        # engine): its pins are recorded under a lease at once, which the TTL ends if nobody
+        # releases it, so no pin is ever left without an owner.
+        return await self._shielded(self._grant(tenant, name, flat, groups, entries, fp, per_token))
+
+    async def _shielded(self, work):
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    async def _grant(self, tenant: str, name: str, flat, groups, entries, fp: str, per_token: int) -> LeaseAnswer:
         keys = [chunk_key(e.key) for e in entries if e is not None]
         store = self.plane.store
-        got = await asyncio.to_thread(store.lease, keys)
-        below = [k for k, r in zip(keys, got) if r is None and store.contains(k)]
-        if below:  # on disk or remote: promoted into the pool first, then leased
-            await asyncio.to_thread(store.get_many, below, promote=True)
-            again = iter(await asyncio.to_thread(store.lease, below))
-            got = [next(again) if r is None and k in set(below) else r for k, r in zip(keys, got)]
-        await self.plane.synced()
-        reads = iter(got)
-        per_item: list[PoolRead | None] = []
-        for e in entries:
-            r = next(reads) if e is not None else None
-            if r is not None and (r.meta.num_tokens != e.num_tokens or r.meta.layout_fingerprint != fp
-                                  or r.meta.scope != e.scope):
-                await asyncio.to_thread(store.unlease, [r])
-                r = None
-            per_item.append(r)
-        slots: list[LeasedSlot] = []
-        misses: list[int] = []
-        kept: list[PoolRead] = []
-        drop: list[PoolRead] = []
-        at = 0
-        c = self.plane.counters
-        for index, g in enumerate(groups):
-            n = g.count if g.rows is not None else 1
-            mine = list(zip(flat[at : at + n], entries[at : at + n], per_item[at : at + n]))
-            at += n
-            rows = g.rows if g.rows is not None else ((0, mine[0][1].num_tokens if mine and mine[0][1] else 0),)
-            if not mine or any(r is None for _, _, r in mine):
-                misses.append(index)
-                drop.extend(r for _, _, r in mine if r is not None)
-                c.fetch_misses += 1
-                continue
-            for ((_, target), e, r), (a, b) in zip(mine, rows, strict=True):
-                slots.append(LeasedSlot(index, r, a, b - a, e.source_pos + a, target - e.source_pos,
-                                        "cpu"))
-                kept.append(r)
-                c.fetched_bytes += (b - a) * per_token
-            c.fetched_chunks += 1
+        lease = secrets.token_hex(16)
+        record = _Lease(tenant, [], time.monotonic() + self.lease_ttl_s, granting=True)
+        self._leases[lease] = record
+        try:
+            got = await asyncio.to_thread(store.lease, keys)
+            record.reads.extend(r for r in got if r is not None)
+            tiers = {k: e.tier for k, e in zip(keys, (e for e in entries if e is not None))}
+            below = [k for k, r in zip(keys, got) if r is None and store.contains(k)]
+            if below:  # on disk or remote: promoted into the pool first, then leased
+                await asyncio.to_thread(store.get_many, below, promote=True)
+                again = await asyncio.to_thread(store.lease, below)
+                record.reads.extend(r for r in again if r is not None)
+                more = dict(zip(below, again))
+                got = [more.get(k) if r is None else r for k, r in zip(keys, got)]
+            await self.plane.synced()
+            reads = iter(got)
+            per_item: list[PoolRead | None] = []
+            drop: list[PoolRead] = []
+            for e in entries:
+                r = next(reads) if e is not None else None
+                if r is not None and (r.meta.num_tokens != e.num_tokens or r.meta.layout_fingerprint != fp
+                                      or r.meta.scope != e.scope):
+                    drop.append(r)
+                    r = None
+                per_item.append(r)
+            slots: list[LeasedSlot] = []
+            misses: list[int] = []
+            kept: list[PoolRead] = []
+            at = 0
+            c = self.plane.counters
+            for index, g in enumerate(groups):
+                n = g.count if g.rows is not None else 1
+                mine = list(zip(flat[at : at + n], entries[at : at + n], per_item[at : at + n]))
+                at += n
+                rows = g.rows if g.rows is not None else ((0, mine[0][1].num_tokens if mine and mine[0][1] else 0),)
+                if not mine or any(r is None for _, _, r in mine):
+                    misses.append(index)
+                    drop.extend(r for _, _, r in mine if r is not None)
+                    c.fetch_misses += 1
+                    continue
+                for ((_, target), e, r), (a, b) in zip(mine, rows, strict=True):
+                    slots.append(LeasedSlot(index, r, a, b - a, e.source_pos + a, target - e.source_pos,
+                                            tiers.get(chunk_key(e.key)) or "cpu"))
+                    kept.append(r)
+                    c.fetched_bytes += (b - a) * per_token
+                c.fetched_chunks += 1
+        except BaseException:
+            self._leases.pop(lease, None)
+            if record.reads:
+                await asyncio.to_thread(store.unlease, record.reads)
+            raise
+        record.reads = kept
+        record.granting = False
+        if not kept:
+            self._leases.pop(lease, None)
+            lease = ""
         if drop:
             await asyncio.to_thread(store.unlease, drop)
-        lease = ""
-        if kept:
-            lease = secrets.token_hex(16)
-            self._leases[lease] = _Lease(tenant, kept, time.monotonic() + self.lease_ttl_s)
         return LeaseAnswer(name, lease, self.lease_ttl_s, slots, misses)
 
     async def release(self, tenant: str, lease: str) -> int:
@@ -194,7 +222,7 @@ class PoolPath:
         if got is None or got.tenant != tenant:
             raise NotFound(f"lease: {lease[:40]!r} is not held (released, expired, or never granted)")
         del self._leases[lease]
-        await asyncio.to_thread(self.plane.store.unlease, got.reads)
+        await self._shielded(asyncio.to_thread(self.plane.store.unlease, got.reads))
         return len(got.reads)
 
     # ------------------------------------------------------------------ reservations
@@ -237,19 +265,25 @@ class PoolPath:
                 raise
             return made, held
 
-        try:
-            slots, held = await asyncio.to_thread(reserve)
-        except QuotaExceededError as exc:
-            raise ResourceExhausted(f"limits.max_bytes (tenant quota): {exc}") from exc
-        except CapacityError as exc:
-            raise ResourceExhausted(f"capacity: {exc}") from exc
-        await plane.synced()  # demotions made room: the registry follows
-        rid = secrets.token_hex(16)
-        res = Reservation(rid, tenant, time.monotonic() + self.reservation_ttl_s, slots, held,
-                          [e.source_pos for e in listed] + ([listed[-1].source_pos + listed[-1].num_tokens] if listed else []),
-                          (tokens, data, identity, scope, layout, register_from, chunked))
-        self._reservations[rid] = res
-        return res
+        bounds = [e.source_pos for e in listed] + ([listed[-1].source_pos + listed[-1].num_tokens] if listed else [])
+
+        async def make() -> Reservation:
+            # Recorded as soon as its slots exist: a call cancelled meanwhile leaves a
+            # reservation the TTL aborts, never slots without an owner.
+            try:
+                slots, held = await asyncio.to_thread(reserve)
+            except QuotaExceededError as exc:
+                raise ResourceExhausted(f"limits.max_bytes (tenant quota): {exc}") from exc
+            except CapacityError as exc:
+                raise ResourceExhausted(f"capacity: {exc}") from exc
+            rid = secrets.token_hex(16)
+            res = Reservation(rid, tenant, time.monotonic() + self.reservation_ttl_s, slots, held, bounds,
+                              (tokens, data, identity, scope, layout, register_from, chunked))
+            self._reservations[rid] = res
+            await plane.synced()  # demotions made room: the registry follows
+            return res
+
+        return await self._shielded(make())
 
     def _take(self, tenant: str, rid: str) -> Reservation:
         res = self._reservations.get(rid)
@@ -281,7 +315,7 @@ class PoolPath:
 
     async def abort_store(self, tenant: str, rid: str) -> int:
         res = self._take(tenant, rid)
-        return await self._drop(res)
+        return await self._shielded(self._drop(res))
 
     async def _drop(self, res: Reservation) -> int:
         store = self.plane.store
@@ -293,19 +327,24 @@ class PoolPath:
     # ------------------------------------------------------------------ expiry
 
     async def reap(self, now: float | None = None) -> tuple[int, int]:
-        """Release expired leases and abort expired reservations: (leases, reservations)."""
-        now = time.monotonic() if now is None else now
-        leases = [k for k, v in self._leases.items() if v.deadline <= now]
+        """Release expired leases and abort expired reservations: (leases, reservations). Runs
+        to its end even if the call that started it is cancelled (what it took out of the
+        tables must be released)."""
+        return await self._shielded(self._reap(time.monotonic() if now is None else now))
+
+    async def _reap(self, now: float) -> tuple[int, int]:
+        leases = [k for k, v in self._leases.items() if v.deadline <= now and not v.granting]
         reads: list[PoolRead] = []
         for k in leases:
             reads.extend(self._leases.pop(k).reads)
-        if reads:
-            await asyncio.to_thread(self.plane.store.unlease, reads)
         rids = [k for k, v in self._reservations.items() if v.deadline <= now]
-        for k in rids:
-            await self._drop(self._reservations.pop(k))
+        expired = [self._reservations.pop(k) for k in rids]
         self.expired_leases += len(leases)
         self.expired_reservations += len(rids)
+        if reads:
+            await asyncio.to_thread(self.plane.store.unlease, reads)
+        for res in expired:
+            await self._drop(res)
         return len(leases), len(rids)
 
     async def close(self) -> None:

@@ -11,8 +11,8 @@ An engine on the sidecar's host maps the sidecar's CPU pool once (``PoolClient(c
     pool.release(fetched)
 
     w = pool.reserve(tokens, identity=ident, layout=layout, chunk_starts=starts)
-    for start, slot in w.slots.items(): slot.copy_(...)    # gather the chunk's KV into the pool
-    result = w.commit()                                       # checksummed, registered
+    for start, slot in w.slots.items(): slot.copy_(...)    # gather the chunk's KV into the pool,
+    result = w.commit()                                       # before w.deadline: checksummed, registered
 
 Leases and reservations end by themselves after the sidecar's TTL; ``release`` / ``commit`` /
 ``abort`` end them at once. ``store`` and ``fetch`` are the same with the caller's buffers
@@ -22,11 +22,13 @@ Leases and reservations end by themselves after the sidecar's TTL; ``release`` /
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import xxhash
 
 from sidecar.api.payload import as_byte_tensor, is_stacked, stacked_view
 from sidecar.api.pool import LeasedChunk, leased_from_wire
@@ -76,8 +78,11 @@ class PoolStore:
     the pool, ``KVLayout`` order at the chunk's own positions), then ``commit`` (or ``abort``).
     ``held``: chunks the sidecar holds already (nothing to write)."""
 
-    def __init__(self, pool: PoolClient, msg: Any, layout: KVLayout) -> None:
+    def __init__(self, pool: PoolClient, msg: Any, layout: KVLayout, asked_at: float) -> None:
         self._pool = pool
+        #: write and commit before this (``time.monotonic``): the sidecar aborts the
+        #: reservation after its TTL and may reuse the slots' memory
+        self.deadline = asked_at + msg.ttl_s
         self.reservation = msg.reservation
         self.layout = layout
         self.slots: dict[int, torch.Tensor] = {s.chunk_start: pool.mapped.view(s.offset, s.length) for s in msg.slots}
@@ -90,7 +95,19 @@ class PoolStore:
         slot = self.slots[start]
         return stacked_view(slot, self.layout, slot.numel() // self.layout.bytes_per_token)
 
+    def write(self, start: int, payload: Any) -> None:
+        """Copy ``payload`` (bytes-like, array or tensor) into the slot of chunk ``start``."""
+        self._alive("write")
+        self.slots[start].copy_(as_byte_tensor(payload))
+
+    def _alive(self, what: str) -> None:
+        if time.monotonic() >= self.deadline:
+            self._open = False
+            raise ValueError(f"reservation: {what} after the reservation's TTL; the sidecar aborted it and may "
+                             "have reused its slots (nothing of it was stored)")
+
     def commit(self) -> StoreResult:
+        self._alive("commit")
         self._open = False
         return self._pool.client.commit_store(self.reservation, len(self.slots),
                                               sum(s.numel() for s in self.slots.values()))
@@ -190,13 +207,19 @@ class PoolClient:
                         out[:, p].copy_(src[:, p])
             at += c.rows
 
-    def intact(self, fetched: LeasedFetch) -> bool:
+    def intact(self, fetched: LeasedFetch, *, verify: bool = False) -> bool:
         """Whether every leased chunk still holds the bytes it was leased with: check after
-        reading (a lease that expired meanwhile may have had its memory reused)."""
+        reading. The stamps tell whether the sidecar freed a chunk's memory meanwhile (a lease
+        that expired mid-read); ``verify`` also checksums each chunk's bytes (one more read at
+        xxh3 speed), which catches a write by some other process that maps the pool, e.g. an
+        engine writing a reservation after its TTL."""
         if not fetched.lease:
             return True
         mapped = self._check(fetched.pool)
-        return all(mapped.stamp_ok(c.offset, c.stamp) for it in fetched.items for c in it.chunks)
+        chunks = [c for it in fetched.items for c in it.chunks]
+        if not all(mapped.stamp_ok(c.offset, c.stamp) for c in chunks):
+            return False
+        return not verify or all(_checksum(mapped.view(c.offset, c.length)) == c.checksum for c in chunks)
 
     def release(self, fetched: LeasedFetch) -> None:
         if fetched.lease:
@@ -204,9 +227,11 @@ class PoolClient:
             fetched.lease = ""
 
     def fetch(self, items: Sequence[tuple[int, int] | FetchSpec], *, identity: CacheIdentity, layout: KVLayout,
-              rope: RopeSpec | None = None, plan_identity: CacheIdentity | None = None) -> list[FetchedKV]:
+              rope: RopeSpec | None = None, plan_identity: CacheIdentity | None = None,
+              verify: bool = False) -> list[FetchedKV]:
         """``client.fetch`` through the pool: each hit copied (and rotated) once, from the pool
-        into a buffer the caller owns; a chunk whose lease expired before the copy is a miss."""
+        into a buffer the caller owns; a chunk whose lease expired before the copy is a miss
+        (and, with ``verify``, one whose bytes fail their checksum: ``intact``)."""
         fetched = self.lease(items, identity=identity, layout=layout, plan_identity=plan_identity)
         out: list[FetchedKV] = []
         try:
@@ -220,10 +245,10 @@ class PoolClient:
                 self.read_into(it, stacked_view(buf, layout, n), layout, rope)
                 out.append(FetchedKV(index=it.index, chunk_hash=h, ok=True, num_tokens=n, source_pos=it.source_pos,
                                      delta=it.delta, rotated=True, tier=it.chunks[0].tier, data=memoryview(buf.numpy())))
-            if not self.intact(fetched):
-                mapped = self.mapped
+            if not self.intact(fetched, verify=verify):
                 for r, it in zip(out, fetched.items, strict=True):
-                    if r.ok and not all(mapped.stamp_ok(c.offset, c.stamp) for c in it.chunks):
+                    one = LeasedFetch(fetched.pool, fetched.lease, [it])
+                    if r.ok and not self.intact(one, verify=verify):
                         out[r.index] = FetchedKV(index=r.index, chunk_hash=r.chunk_hash, ok=False)
         finally:
             self.release(fetched)
@@ -235,23 +260,30 @@ class PoolClient:
                 register_from: int = 0, shared: bool = False) -> PoolStore:
         """Slots for the chunks of ``tokens`` starting at ``chunk_starts`` (empty: every chunk at
         or after ``register_from``) that the sidecar does not hold yet."""
+        asked = time.monotonic()
         msg = self.client.reserve_store(tokens, identity, layout, register_from=register_from, shared=shared,
                                         chunk_starts=chunk_starts)
         self._check(msg.pool)
-        return PoolStore(self, msg, layout)
+        return PoolStore(self, msg, layout, asked)
 
     def store(self, tokens: Any, *, identity: CacheIdentity, layout: KVLayout, payloads: Mapping[int, Any],
               register_from: int = 0, shared: bool = False) -> StoreResult:
         """``client.store`` through the pool: each payload copied once, into its slot."""
+        if not payloads:  # metadata only: nothing to move
+            return self.client.store(tokens, identity=identity, register_from=register_from, shared=shared)
         w = self.reserve(tokens, identity=identity, layout=layout, chunk_starts=sorted(payloads),
                          register_from=register_from, shared=shared)
         try:
-            for start, slot in w.slots.items():
-                slot.copy_(as_byte_tensor(payloads[start]))
+            for start in w.slots:
+                w.write(start, payloads[start])
         except BaseException:
             w.abort()
             raise
         return w.commit()
+
+
+def _checksum(view: torch.Tensor) -> int:
+    return xxhash.xxh3_64_intdigest(memoryview(view.numpy()))
 
 
 __all__ = ["LeasedFetch", "LeasedItem", "PoolClient", "PoolStore"]

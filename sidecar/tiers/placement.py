@@ -42,6 +42,7 @@ class Entry:
     remote: bool = False
     readers: dict[Tier, int] = field(default_factory=dict)
     moving: bool = False
+    leases: int = 0  # of the CPU readers, those that are shared-pool leases (``store_pool``)
 
     @property
     def key(self) -> ChunkKey:

@@ -106,6 +106,7 @@ class TieredStore(StoreWrites, StoreReads, StorePool):
         self._active_puts = 0  # puts writing without the mover; close() waits for them too
         self._slots = {}  # slots reserved in the shared pool, by slot id (``store_pool``)
         self._leased = 0  # chunks pinned by the shared pool's leases
+        self._graves: dict = {}  # CPU objects removed while leased (``store_moves._drain_and_remove``)
         self._events = EventBuffer(config.max_events)
         self._counters = Counters()
         self._io = TierIO(config)
@@ -265,8 +266,13 @@ class TieredStore(StoreWrites, StoreReads, StorePool):
         deleted from the remote tier (another sidecar, or this one before a restart, may have
         published them). Idempotent; returns how many chunks this store held."""
         keys = [check_key(k) for k in keys]
-        removed = 0
         unknown: list[ChunkKey] = []
+        removed = self._delete(keys, unknown)
+        self._delete_remote(unknown)
+        return removed
+
+    def _delete(self, keys: list[ChunkKey], unknown: list[ChunkKey]) -> int:
+        removed = 0
         for key in keys:
             with self._stripe(key), self._writer():
                 with self._lock:
@@ -283,20 +289,23 @@ class TieredStore(StoreWrites, StoreReads, StorePool):
                 for tier in held:
                     self._drain_and_remove(e, tier, deleting=True)
                 removed += 1
-        if unknown and self._io.remote is not None:
-            with self._writer():
-                with self._lock:
-                    self._remote_removing.update(unknown)
-                try:
-                    if not self._io.remote.remove(unknown):
-                        logger.error("remote delete of %d unknown chunks could not be confirmed", len(unknown))
-                finally:
-                    with self._lock:
-                        self._remote_removing.subtract(unknown)
-                        for key in unknown:
-                            if self._remote_removing[key] <= 0:
-                                del self._remote_removing[key]
         return removed
+
+    def _delete_remote(self, unknown: list[ChunkKey]) -> None:
+        if not unknown or self._io.remote is None:
+            return
+        with self._writer():
+            with self._lock:
+                self._remote_removing.update(unknown)
+            try:
+                if not self._io.remote.remove(unknown):
+                    logger.error("remote delete of %d unknown chunks could not be confirmed", len(unknown))
+            finally:
+                with self._lock:
+                    self._remote_removing.subtract(unknown)
+                    for key in unknown:
+                        if self._remote_removing[key] <= 0:
+                            del self._remote_removing[key]
 
     def spill(self, budget_s: float) -> tuple[int, int]:
         """Move what only the memory tiers (GPU, CPU) hold down to the disk tier, most recently

@@ -90,6 +90,7 @@ class StoreMoves:
     _chain: tuple[Tier, ...]
     _place: Placement
     _remote_removing: Counter[ChunkKey]  # remote copies being deleted: not looked up meanwhile
+    _graves: dict  # id(entry) -> (entry, L1 name): CPU objects removed while leased, freed at the last unlease
 
     def _stripe(self, key: ChunkKey) -> threading.Lock:
         return self._stripes[hash(key) % STRIPES]
@@ -327,8 +328,14 @@ class StoreMoves:
         for a ``delete`` (the caller asked for the bytes to be gone), as a WARNING when the chunk
         was evicted, moved or found lost (the copy left behind is the chunk's own valid bytes)."""
         with self._lock:
-            if not self._cv.wait_for(lambda: tier not in e.readers, timeout=self._config.io_timeout_s):
+            leased = (lambda: e.leases) if tier == Tier.CPU else (lambda: 0)
+            if not self._cv.wait_for(lambda: e.readers.get(tier, 0) <= leased(), timeout=self._config.io_timeout_s):
                 logger.error("readers of %s in %s did not finish; removing anyway", e.key.hex(), tier.value)
+            elif leased():
+                # Engines read it in the shared pool under leases: its memory is freed when the
+                # last one ends (``unlease``), never under them; the key is free to be stored again.
+                self._graves[id(e)] = (e, self._io.mem[Tier.CPU].retire(e.key))
+                return
         confirmed = self._io.remove(tier, e.key)
         if tier == Tier.REMOTE:
             with self._lock:

@@ -90,22 +90,26 @@ class StorePool(StoreMoves):
                 e = self._place.entries.get(check_key(key))
                 if e is None or e.local is not Tier.CPU or e.moving:
                     continue
+                # Where it is, read under the index lock: a Delete may unname the object as soon
+                # as the pin is visible (its memory stays, the name goes).
+                view = cpu.acquire(e.key)
+                if view is None:
+                    continue
+                try:
+                    read = PoolRead(e, cpu.offset(view) + HEADER_NBYTES,
+                                    int.from_bytes(view[32:40].numpy().tobytes(), "little"))
+                finally:
+                    cpu.release(e.key)
                 e.readers[Tier.CPU] = e.readers.get(Tier.CPU, 0) + 1
+                e.leases += 1
                 self._leased += 1
                 self._place.touch(e, Tier.CPU)
-                out[i] = PoolRead(e, 0, 0)
-        for r in out:
-            if r is not None:
-                view = cpu.acquire(r.entry.key)
-                assert view is not None, f"CPU tier lost the pinned {r.entry.key.hex()}; placement bug"
-                try:
-                    r.offset = cpu.offset(view) + HEADER_NBYTES
-                    r.stamp = int.from_bytes(view[32:40].numpy().tobytes(), "little")
-                finally:
-                    cpu.release(r.entry.key)
+                out[i] = read
         return out
 
     def unlease(self, reads: list[PoolRead]) -> None:
+        """End leases; an object removed while leased is freed with its last lease."""
+        freed = []
         with self._lock:
             for r in reads:
                 e = r.entry
@@ -114,8 +118,14 @@ class StorePool(StoreMoves):
                     e.readers[Tier.CPU] = n
                 else:
                     e.readers.pop(Tier.CPU, None)
+                e.leases -= 1
                 self._leased -= 1
+                if not e.leases and id(e) in self._graves:
+                    freed.append(self._graves.pop(id(e))[1])
             self._cv.notify_all()
+        cpu = self._io.mem.get(Tier.CPU)
+        for okey in freed:
+            cpu.free(okey)
 
     @property
     def leased(self) -> int:

@@ -14,6 +14,7 @@ object's bytes and no other.
 from __future__ import annotations
 
 import logging
+import secrets
 
 import torch
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -73,8 +74,11 @@ class CpuTier(PoolBackend):
         self._base = buffer.data_ptr()
         if lmcache_name:
             self.pool = PoolFile.adopt(self._l1._memory_manager._allocator.shm_name, buffer.numel())
-        # Chunks committed from an engine's slot keep the slot's L1 key (L1 cannot rename).
+        # Objects not under their key's default L1 name (L1 cannot rename): committed from an
+        # engine's slot, or staged while the key's previous object was retired but still read.
         self._alias: dict[ChunkKey, ObjectKey] = {}
+        self._staging: dict[ChunkKey, ObjectKey] = {}
+        self._retired: set[ObjectKey] = set()
 
     @classmethod
     def from_config(cls, config: StoreConfig) -> CpuTier | None:
@@ -90,7 +94,10 @@ class CpuTier(PoolBackend):
 
     def _okey(self, key: ChunkKey) -> ObjectKey:
         alias = self._alias.get(key)
-        return alias if alias is not None else ObjectKey(chunk_hash=key, model_name=self._namespace, kv_rank=0)
+        return alias if alias is not None else self._default_okey(key)
+
+    def _default_okey(self, key: ChunkKey) -> ObjectKey:
+        return ObjectKey(chunk_hash=key, model_name=self._namespace, kv_rank=0)
 
     def _slot_okey(self, slot: bytes) -> ObjectKey:
         return ObjectKey(chunk_hash=slot, model_name=self._namespace + "/slot", kv_rank=0)
@@ -118,7 +125,14 @@ class CpuTier(PoolBackend):
         return round_up(nbytes, self._align)
 
     def stage(self, key: ChunkKey, nbytes: int) -> torch.Tensor | None:
-        return self._stage(self._okey(key), nbytes, key.hex())
+        okey = self._default_okey(key)
+        if okey in self._retired:  # the key's last object is still read by offset: another name
+            okey = ObjectKey(chunk_hash=key + secrets.token_bytes(8), model_name=self._namespace, kv_rank=0)
+            self._staging[key] = okey
+        view = self._stage(okey, nbytes, key.hex())
+        if view is None:
+            self._staging.pop(key, None)
+        return view
 
     def _stage(self, okey: ObjectKey, nbytes: int, what: str) -> torch.Tensor | None:
         layout = MemoryLayoutDesc(shapes=[torch.Size([nbytes])], dtypes=[torch.uint8])
@@ -132,11 +146,15 @@ class CpuTier(PoolBackend):
         return obj.tensor
 
     def commit(self, key: ChunkKey) -> None:
-        err = self._l1.finish_write([self._okey(key)], tag=_WRITE_TAG)[self._okey(key)]
+        okey = self._staging.pop(key, None) or self._default_okey(key)
+        err = self._l1.finish_write([okey], tag=_WRITE_TAG)[okey]
         assert err == L1Error.SUCCESS, f"L1 finish_write({key.hex()}) failed: {err}"
+        if okey != self._default_okey(key):
+            self._alias[key] = okey
 
     def abort(self, key: ChunkKey) -> None:
-        self._l1.finish_write_and_delete([self._okey(key)], tag=_WRITE_TAG)
+        okey = self._staging.pop(key, None) or self._default_okey(key)
+        self._l1.finish_write_and_delete([okey], tag=_WRITE_TAG)
 
     def acquire(self, key: ChunkKey) -> torch.Tensor | None:
         okey = self._okey(key)
@@ -148,6 +166,24 @@ class CpuTier(PoolBackend):
 
     def remove(self, key: ChunkKey) -> bool:
         okey = self._okey(key)
+        ok = self._free(okey)
+        if ok:
+            self._alias.pop(key, None)
+        return ok
+
+    def retire(self, key: ChunkKey) -> ObjectKey:
+        """Unname ``key``'s object but keep its memory (engines still read it by offset under a
+        lease): ``free`` it when they are done. The key may be stored again meanwhile."""
+        okey = self._alias.pop(key, None) or self._default_okey(key)
+        self._retired.add(okey)
+        return okey
+
+    def free(self, okey: ObjectKey) -> None:
+        """Free a ``retire``d object."""
+        self._free(okey)
+        self._retired.discard(okey)
+
+    def _free(self, okey: ObjectKey) -> bool:
         if self.pool is not None:
             # Zero the stamp first: an engine still reading this object by offset (its lease
             # expired) sees it gone before the memory can hold anything else.
@@ -155,10 +191,7 @@ class CpuTier(PoolBackend):
             if err == L1Error.SUCCESS and obj is not None:
                 obj.tensor[:STAMP_BYTES].zero_()
                 self._l1.finish_read([okey])
-        err = self._l1.delete([okey])[okey]
-        if err == L1Error.SUCCESS:
-            self._alias.pop(key, None)
-        return err == L1Error.SUCCESS
+        return self._l1.delete([okey])[okey] == L1Error.SUCCESS
 
     def allocator_usage(self) -> tuple[int, int]:
         """(used, total) bytes as LMCache's allocator sees them (includes alignment)."""
