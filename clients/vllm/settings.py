@@ -72,7 +72,12 @@ class Settings:
     ``admit_retry_s``, at most ``admit_max_wait_s``.
     rotate: who re-positions shifted keys: "sidecar" (on its CPU, before answering), "engine"
     (the worker fetches raw rows and rotates them on the cache's device with the project's
-    kernels), or "auto" (default: "engine" for a cache on a GPU, else "sidecar").
+    kernels), or "auto" (default: "engine" for a cache on a GPU or when the shared pool serves
+    the rows, else "sidecar").
+    shared_pool: on the sidecar's host, move KV through its shared pool (default: True; GQA /
+    MHA caches; not with ``rotate = "sidecar"``): leased Fetches rotated by the worker straight
+    from the pool, Stores copied into reserved slots (docs/operations.md, "The shared pool");
+    elsewhere, Fetch and Store.
     """
 
     target: str
@@ -102,6 +107,7 @@ class Settings:
     admit_max_wait_s: float = 30.0
     engine_id: str = ""
     rotate: str = "auto"
+    shared_pool: bool = True
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "Settings":

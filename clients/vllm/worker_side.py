@@ -37,7 +37,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -51,10 +51,10 @@ from clients.vllm.staging import Staging
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
-    from typing import Any
 
     from sidecar.rotation import RopeSpec
     from sidecar.sdk.kit import FailSoftLink
+    from sidecar.sdk.pool import PoolClient
 
     from clients.vllm.settings import EngineShape, Settings
 
@@ -109,6 +109,8 @@ class WorkerSide:
         #: what the cache's rows are (``rows.py``): [L, 2, n, H, D], or MLA latent rows [L, n, C]
         self.rows = LatentRows if shape.mla else GqaRows
         self._invalid: set[int] = set()
+        self._pools: dict[str | None, Any] = {}  # tenant -> the sidecar's shared pool (or None)
+        self._leased: Any = None  # the load's lease in flight
         self._store_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sidecar-store")
         self._store_futures: list[Future] = []
         self._lock = threading.Lock()
@@ -196,43 +198,110 @@ class WorkerSide:
                 self._fail_blocks(job, it.start, it.end)
             return
         t0 = time.perf_counter()
-        sh = self.shape
-        engine_rotates = self.engine_rotates
-        got = self.link.call("fetch", job.tenant, lambda c: c.fetch(
-            [it.fetch_item for it in job.items], identity=sh.identity, layout=sh.layout, rope=sh.rope,
-            raw=engine_rotates, plan_identity=sh.plan_identity))
+        pool = self._pool(job.tenant)
+        got = self._lease(job, pool) if pool is not None else self._fetch(job)
         t1 = time.perf_counter()
         # the fetched rows of each run of contiguous items (and, when this worker rotates, each
         # item's delta), copied into the paged cache at once
         runs: list[tuple[int, int, list[torch.Tensor], list[tuple[int, int]]]] = []
-        for i, it in enumerate(job.items):
-            f = got[i] if got is not None else None
+        for it, rows, delta, nbytes in got:
             n = len(it)
-            if f is None or not f.ok or f.num_tokens < it.row + n or not (f.rotated or f.delta == 0 or engine_rotates):
+            if rows is None:
                 self._fail_blocks(job, it.start, it.end)
                 continue
-            rows = self.rows.of(f.data, sh.layout, f.num_tokens).narrow(self.rows.token_axis, it.row, n)
-            delta = (n, 0 if f.rotated else f.delta)
+            d = (n, delta)
             if runs and runs[-1][1] == it.start:
-                runs[-1] = (runs[-1][0], it.end, runs[-1][2] + [rows], runs[-1][3] + [delta])
+                runs[-1] = (runs[-1][0], it.end, runs[-1][2] + [rows], runs[-1][3] + [d])
             else:
-                runs.append((it.start, it.end, [rows], [delta]))
+                runs.append((it.start, it.end, [rows], [d]))
             self.counters["loaded_tokens"] += n
-            self.counters["fetch_bytes"] += len(f.data)
+            self.counters["fetch_bytes"] += nbytes
         block_ids = torch.tensor(job.block_ids, dtype=torch.int64)
         staging = self.staging
         with single_threaded():
-            host = [parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.rows.token_axis)
-                    for _, _, parts, _ in runs]
+            host = [torch.cat(parts, dim=self.rows.token_axis) if len(parts) > 1
+                    # rows rotate in place: never the pool's own bytes (on a GPU they are copied first)
+                    else parts[0].clone() if pool is not None and not staging.cuda and any(d for _, d in deltas)
+                    else parts[0]
+                    for _, _, parts, deltas in runs]
             moved = staging.to_device(host)  # CUDA: one pinned, asynchronous copy for the job
             with staging.context():
                 for (start, end, _, deltas), rows in zip(runs, moved):
                     if any(d for _, d in deltas):
                         rows = self._rotate(rows, deltas)
                     self.paged.scatter(rows, block_ids, torch.arange(start, end, dtype=torch.int64))
+        if pool is not None:
+            self._end_lease(job, pool)
         self.counters["fetch_us"] += int((t1 - t0) * 1e6)
         self.counters["scatter_us"] += int((time.perf_counter() - t1) * 1e6)
         self.counters["loads"] += 1
+
+    def _fetch(self, job: LoadJob) -> list[tuple[Any, torch.Tensor | None, int, int]]:
+        """Each item's rows (None: failed), the delta still to apply here, and the bytes
+        fetched: a Fetch over the stream or the caller's shared-memory buffer."""
+        sh = self.shape
+        engine_rotates = self.engine_rotates
+        got = self.link.call("fetch", job.tenant, lambda c: c.fetch(
+            [it.fetch_item for it in job.items], identity=sh.identity, layout=sh.layout, rope=sh.rope,
+            raw=engine_rotates, plan_identity=sh.plan_identity))
+        out = []
+        for i, it in enumerate(job.items):
+            f = got[i] if got is not None else None
+            n = len(it)
+            if f is None or not f.ok or f.num_tokens < it.row + n or not (f.rotated or f.delta == 0 or engine_rotates):
+                out.append((it, None, 0, 0))
+                continue
+            rows = self.rows.of(f.data, sh.layout, f.num_tokens).narrow(self.rows.token_axis, it.row, n)
+            out.append((it, rows, 0 if f.rotated else f.delta, len(f.data)))
+        return out
+
+    def _lease(self, job: LoadJob, pool: "PoolClient") -> list[tuple[Any, torch.Tensor | None, int, int]]:
+        """``_fetch`` through the sidecar's shared pool: each item's rows are a view of the
+        pool (no copy until the scatter), at their source position (rotated here)."""
+        sh = self.shape
+        leased = self.link.call("fetch", job.tenant, lambda c: pool.lease(
+            [it.fetch_item for it in job.items], identity=sh.identity, layout=sh.layout,
+            plan_identity=sh.plan_identity))
+        self._leased = leased
+        if leased is not None:
+            self.counters["pool_loads"] += 1
+        out = []
+        for i, it in enumerate(job.items):
+            li = leased.items[i] if leased is not None else None
+            n = len(it)
+            if li is None or not li.ok or li.num_tokens < it.row + n:
+                out.append((it, None, 0, 0))
+                continue
+            c = li.chunks[0]  # a plain item is one chunk
+            rows = self.rows.of(pool.chunk_view(c), sh.layout, c.num_tokens).narrow(self.rows.token_axis, it.row, n)
+            out.append((it, rows, c.delta, c.length))
+        return out
+
+    def _end_lease(self, job: LoadJob, pool: "PoolClient") -> None:
+        """After the scatter: if a chunk's memory was reused meanwhile (its lease expired), its
+        blocks are recomputed; the lease ends either way."""
+        leased, self._leased = self._leased, None
+        if leased is None:
+            return
+        if not pool.intact(leased):
+            for it in job.items:
+                self._fail_blocks(job, it.start, it.end)
+            self.counters["pool_torn_loads"] += 1
+        self.link.call("release", job.tenant, lambda c: pool.release(leased))
+
+    def _pool(self, tenant: str | None) -> "PoolClient | None":
+        """The sidecar's shared pool for ``tenant``'s calls (None: off, an MLA cache, not on the
+        sidecar's host, the sidecar has none, or ``rotate = "sidecar"``), mapped on first use."""
+        if not self.settings.shared_pool or self.shape.mla or self.settings.rotate == "sidecar":
+            return None  # (the pool serves raw rows: this worker rotates them)
+        if tenant not in self._pools:
+            from sidecar.sdk.pool import PoolClient  # noqa: PLC0415 - only where a pool is used
+
+            pool = self.link.call("map_pool", tenant, PoolClient)
+            if pool is None:
+                return None  # the sidecar is unreachable now: asked again next time
+            self._pools[tenant] = pool if pool.available else None
+        return self._pools[tenant]
 
     @property
     def engine_rotates(self) -> bool:
@@ -305,8 +374,11 @@ class WorkerSide:
             payloads = self._payloads(job, rows)
         sh = self.shape
         t0 = time.perf_counter()
-        res = self.link.call("store", job.tenant, lambda c: c.store(
+        pool = self._pool(job.tenant)
+        res = self.link.call("store", job.tenant, lambda c: (pool or c).store(
             job.tokens, identity=sh.identity, layout=sh.layout, payloads=payloads, register_from=job.chunks[0][0]))
+        if pool is not None and res is not None:
+            self.counters["pool_stores"] += 1
         self.counters["store_us"] += int((time.perf_counter() - t0) * 1e6)
         if res is not None:
             self.counters["stored_chunks"] += res.chunks_stored

@@ -11,10 +11,10 @@ from tests.clients.vllm.conftest import BLOCK, Prompts
 from tests.clients.vllm.fakes import FakeScheduler, Request, kv_rows
 
 
-def stored_body(engine, prompts, tenant: str | None = None):
+def stored_body(engine, prompts, tenant: str | None = None, **extra):
     """Engine A stores ``header_y + body + question``; returns the body (two messages)."""
     body = prompts.msg(300) + prompts.msg(300)
-    side, worker = engine()
+    side, worker = engine(**extra)
     a = FakeScheduler(side, worker)
     params = {"sidecar_tenant": tenant} if tenant else None
     a.add_request(Request("y", prompts.msg(60) + body + prompts.msg(20), params))
@@ -117,3 +117,27 @@ def test_the_engine_rotating_raw_rows_loads_what_the_sidecar_rotating_loads(engi
         assert (rotated > 0) is (mode == "engine") and worker.counters["load_failed_tokens"] == 0
         loaded[mode] = worker.paged.gather(torch.tensor(load.block_ids, dtype=torch.int64), torch.arange(len(x)))
     assert torch.equal(loaded["engine"], loaded["sidecar"])
+
+
+def test_the_shared_pool_loads_and_stores_what_fetch_and_store_do(engine):
+    """On the sidecar's host the worker leases its hits in the sidecar's shared pool, rotates
+    them itself and copies its Stores into reserved slots: the same cache, bit for bit, as
+    Fetch and Store (``shared_pool = false``), exact and shifted, and nothing stays leased."""
+    loaded = {}
+    for pooled in (False, True):
+        tenant = f"pool-{pooled}"
+        body = stored_body(engine, Prompts(5), tenant=tenant, shared_pool=pooled)
+        x = body[:5] + body + body[-25:]  # the body moved from position 61 to 5
+        side, worker = engine(min_gap_run=64, shared_pool=pooled)
+        s = FakeScheduler(side, worker)
+        s.add_request(Request("x", x, {"sidecar_tenant": tenant}))
+        s.run()
+        [load] = s.steps[-1][1].loads
+        assert worker.counters["load_failed_tokens"] == 0 and worker.counters["loaded_tokens"] > 0
+        assert (worker.counters["pool_loads"] > 0) is pooled
+        assert worker.counters["engine_rotated_tokens"] > 0 or not pooled  # raw rows, rotated here
+        loaded[pooled] = worker.paged.gather(torch.tensor(load.block_ids, dtype=torch.int64), torch.arange(len(x)))
+        if pooled:
+            pool = worker._pools[tenant]
+            assert pool is not None and pool.available
+    assert torch.equal(loaded[True], loaded[False])
