@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import xxhash
 
@@ -191,7 +192,7 @@ class PoolClient:
             src = stacked_view(self.chunk_view(c), layout, c.num_tokens)[:, :, c.row_offset : c.row_offset + c.rows]
             out = dst[:, :, at : at + c.rows]
             if not c.delta:
-                out.copy_(src)
+                _copy(out, src)
             else:
                 if rope is None:
                     raise ValueError("rope: required to place a shifted item")
@@ -204,7 +205,7 @@ class PoolClient:
                             else:
                                 target.copy_(rotate_keys(src[layer, p], c.delta, rope))
                     else:
-                        out[:, p].copy_(src[:, p])
+                        _copy(out[:, p], src[:, p])
             at += c.rows
 
     def intact(self, fetched: LeasedFetch, *, verify: bool = False) -> bool:
@@ -280,6 +281,15 @@ class PoolClient:
             w.abort()
             raise
         return w.commit()
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for host tensors as one single-threaded strided memcpy (numpy, GIL
+    released): torch spreads a copy over its intra-op threads, which collapses on a busy host."""
+    if dst.device.type == "cpu" and dst.dtype == src.dtype and dst.stride(-1) == 1 and src.stride(-1) == 1:
+        np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
+    else:
+        dst.copy_(src)
 
 
 def _checksum(view: torch.Tensor) -> int:
