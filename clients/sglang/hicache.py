@@ -59,6 +59,7 @@ from sidecar.client import RetryPolicy, SyncSidecarClient
 from sidecar.identity import CacheIdentity, KVLayout, KVPart
 from sidecar.registry.lookup_plan import SegmentKind
 from sidecar.sdk.kit import as_byte_tensor
+from sidecar.sdk.pool import PoolClient
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,8 @@ class SidecarHiCacheStorage(HiCacheStorage):
       ``token`` (bearer), ``namespace`` (default ``sglang-hicache``), ``model_id`` (default
       ``storage_config.model_name``), ``shared`` (store into the shared scope; the tenant must
       be a shared writer), ``timeout_s`` (default 5), ``page_bytes`` (else read from the host
-      pool, else learned from the first page seen), ``retry_attempts`` (default 2).
+      pool, else learned from the first page seen), ``retry_attempts`` (default 2),
+      ``shared_pool`` (default true: on the sidecar's host, pages move through its shared pool).
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
@@ -127,6 +129,10 @@ class SidecarHiCacheStorage(HiCacheStorage):
             self.target, tenant=extra.get("tenant"), token=extra.get("token"), timeout_s=self.timeout_s,
             retry=RetryPolicy(attempts=int(extra.get("retry_attempts", 2)), base_s=0.02, cap_s=0.2),
         )
+        #: on the sidecar's host, pages move through its shared pool (``shared_pool``, default on)
+        self._use_pool = bool(extra.get("shared_pool", True))
+        self._pool: Optional[PoolClient] = None
+        self._pool_checked = False
         self._idents: dict[int, tuple[CacheIdentity, KVLayout]] = {}
         self._hashes: OrderedDict[tuple[int, str], int] = OrderedDict()  # (page bytes, key) -> chunk hash
         self._max_cached = int(extra.get("hash_cache_entries", 1 << 20))
@@ -224,7 +230,11 @@ class SidecarHiCacheStorage(HiCacheStorage):
             return out
         ident, layout = self._ident(page_bytes)
         try:
-            got = self.client.fetch([(h, 0) for _, h in want], identity=ident, layout=layout, raw=True)
+            pool = self._shared_pool()
+            if pool is not None:  # copied once, out of the sidecar's pool (pages sit at position 0)
+                got = pool.fetch([(h, 0) for _, h in want], identity=ident, layout=layout)
+            else:
+                got = self.client.fetch([(h, 0) for _, h in want], identity=ident, layout=layout, raw=True)
         except Exception as exc:  # noqa: BLE001
             self._warn("fetch", exc)
             return out
@@ -235,7 +245,41 @@ class SidecarHiCacheStorage(HiCacheStorage):
                 self._forget(page_bytes, keys[i])  # evicted or lost since the Lookup: a miss
         return out
 
+    def _shared_pool(self) -> Optional[PoolClient]:
+        """The sidecar's shared pool, mapped on first use (None: off, or not on its host)."""
+        if self._use_pool and not self._pool_checked:
+            self._pool_checked = True
+            try:
+                pool = PoolClient(self.client)
+                self._pool = pool if pool.available else None
+            except Exception as exc:  # noqa: BLE001 - an older sidecar, or none: Fetch and Store
+                self._warn("map_pool", exc)
+        return self._pool
+
+    def _store_pooled(self, pool: PoolClient, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
+        ok: list[bool] = []
+        for k, page in zip(keys, pages):
+            good = False
+            try:
+                view = _as_bytes_view(page)
+                nbytes = view.numel()
+                if self._page_bytes is None:
+                    self._page_bytes = nbytes
+                ident, layout = self._ident(nbytes)
+                res = pool.store(page_name(k), identity=ident, layout=layout, payloads={0: view}, shared=self.shared)
+                good = res.chunks_total == 1 and res.chunks_stored + res.chunks_refreshed >= 1
+            except Exception as exc:  # noqa: BLE001
+                self._warn("store", exc)
+            self.stats["set" if good else "set_failed"] += 1
+            if good:
+                self._forget(nbytes, k)
+            ok.append(good)
+        return ok
+
     def _store_many(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
+        pool = self._shared_pool()
+        if pool is not None:  # each page copied once, into its slot in the sidecar's pool
+            return self._store_pooled(pool, keys, pages)
         stub, md = self.client.stub, self.client.metadata  # the SDK's sync stub: concurrent futures
         futs = []
         for k, page in zip(keys, pages):

@@ -29,7 +29,12 @@ def rotate_keys(k: torch.Tensor, delta: torch.Tensor, rope: "RopeSpec") -> torch
     # imported when first used: sidecar.rotation loads numba, which must not happen in vLLM's
     # processes before its workers start (docs/vllm.md)
     from sidecar.rotation import rotate_keys as rotate
+    from sidecar.rotation import rotate_keys_native
 
+    if k.device.type == "cpu":
+        # torch ops, bit-equal to the fused kernel: numba's parallel kernels would reset the
+        # OpenMP team vLLM's CPU attention checks its thread count against (docs/vllm.md)
+        return rotate_keys_native(k, delta, rope)
     return rotate(k, delta, rope)
 
 

@@ -287,7 +287,15 @@ class WorkerSide:
             for it in job.items:
                 self._fail_blocks(job, it.start, it.end)
             self.counters["pool_torn_loads"] += 1
-        self.link.call("release", job.tenant, lambda c: pool.release(leased))
+        def release(_client: Any) -> None:
+            from sidecar.errors import NotFound  # noqa: PLC0415
+
+            try:
+                pool.release(leased)
+            except NotFound:  # it expired meanwhile (the stamps were checked): not an outage
+                self.counters["pool_expired_leases"] += 1
+
+        self.link.call("release", job.tenant, release)
 
     def _pool(self, tenant: str | None) -> "PoolClient | None":
         """The sidecar's shared pool for ``tenant``'s calls (None: off, an MLA cache, not on the
