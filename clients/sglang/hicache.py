@@ -131,7 +131,7 @@ class SidecarHiCacheStorage(HiCacheStorage):
         )
         #: on the sidecar's host, pages move through its shared pool (``shared_pool``, default on)
         self._use_pool = bool(extra.get("shared_pool", True))
-        self._pool: Optional[PoolClient] = None
+        self._sidecar_pool: Optional[PoolClient] = None
         self._pool_checked = False
         self._idents: dict[int, tuple[CacheIdentity, KVLayout]] = {}
         self._hashes: OrderedDict[tuple[int, str], int] = OrderedDict()  # (page bytes, key) -> chunk hash
@@ -251,21 +251,26 @@ class SidecarHiCacheStorage(HiCacheStorage):
             self._pool_checked = True
             try:
                 pool = PoolClient(self.client)
-                self._pool = pool if pool.available else None
+                self._sidecar_pool = pool if pool.available else None
             except Exception as exc:  # noqa: BLE001 - an older sidecar, or none: Fetch and Store
                 self._warn("map_pool", exc)
-        return self._pool
+        return self._sidecar_pool
+
+    def _page(self, page: torch.Tensor) -> tuple[torch.Tensor, int, CacheIdentity, KVLayout]:
+        """A page to store: its bytes, their count (learned as the page size), identity, layout."""
+        view = _as_bytes_view(page)
+        nbytes = view.numel()
+        if self._page_bytes is None:
+            self._page_bytes = nbytes
+        ident, layout = self._ident(nbytes)
+        return view, nbytes, ident, layout
 
     def _store_pooled(self, pool: PoolClient, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
         ok: list[bool] = []
         for k, page in zip(keys, pages):
             good = False
             try:
-                view = _as_bytes_view(page)
-                nbytes = view.numel()
-                if self._page_bytes is None:
-                    self._page_bytes = nbytes
-                ident, layout = self._ident(nbytes)
+                view, nbytes, ident, layout = self._page(page)
                 res = pool.store(page_name(k), identity=ident, layout=layout, payloads={0: view}, shared=self.shared)
                 good = res.chunks_total == 1 and res.chunks_stored + res.chunks_refreshed >= 1
             except Exception as exc:  # noqa: BLE001
@@ -284,11 +289,7 @@ class SidecarHiCacheStorage(HiCacheStorage):
         futs = []
         for k, page in zip(keys, pages):
             try:
-                view = _as_bytes_view(page)
-                nbytes = view.numel()
-                if self._page_bytes is None:
-                    self._page_bytes = nbytes
-                ident, layout = self._ident(nbytes)
+                view, nbytes, ident, layout = self._page(page)
                 msgs = store_messages(page_name(k), ident, 0, self.shared, layout, {0: view})
                 futs.append((k, nbytes, stub.Store.future(iter(msgs), metadata=md, timeout=self.timeout_s)))
             except Exception as exc:  # noqa: BLE001

@@ -288,11 +288,7 @@ class WorkerSide:
                 self._fail_blocks(job, it.start, it.end)
             self.counters["pool_torn_loads"] += 1
         def release(_client: Any) -> None:
-            from sidecar.errors import NotFound  # noqa: PLC0415
-
-            try:
-                pool.release(leased)
-            except NotFound:  # it expired meanwhile (the stamps were checked): not an outage
+            if not pool.release(leased):  # it expired meanwhile (the stamps were checked): not an outage
                 self.counters["pool_expired_leases"] += 1
 
         self.link.call("release", job.tenant, release)

@@ -33,6 +33,7 @@ import xxhash
 
 from sidecar.api.payload import as_byte_tensor, is_stacked, stacked_view
 from sidecar.api.pool import LeasedChunk, leased_from_wire
+from sidecar.errors import NotFound
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.registry.lookup_plan import FetchSpec
 from sidecar.sdk.results import FetchedKV, StoreResult
@@ -222,10 +223,17 @@ class PoolClient:
             return False
         return not verify or all(_checksum(mapped.view(c.offset, c.length)) == c.checksum for c in chunks)
 
-    def release(self, fetched: LeasedFetch) -> None:
-        if fetched.lease:
-            self.client.release_lease(fetched.lease)
-            fetched.lease = ""
+    def release(self, fetched: LeasedFetch) -> bool:
+        """End the lease; False when it had expired already (the sidecar released it: check
+        ``intact`` before trusting what was read)."""
+        if not fetched.lease:
+            return True
+        lease, fetched.lease = fetched.lease, ""
+        try:
+            self.client.release_lease(lease)
+        except NotFound:
+            return False
+        return True
 
     def fetch(self, items: Sequence[tuple[int, int] | FetchSpec], *, identity: CacheIdentity, layout: KVLayout,
               rope: RopeSpec | None = None, plan_identity: CacheIdentity | None = None,

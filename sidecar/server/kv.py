@@ -321,16 +321,17 @@ class KVHandlers:
         m.store_seconds.observe(seconds)
         if self.on_stored is not None and out.chunks_stored:
             self.on_stored(identity)
-        m.store_chunks.labels("registered").inc(out.chunks_registered)
-        m.store_chunks.labels("refreshed").inc(out.chunks_refreshed)
-        m.store_chunks.labels("stored").inc(out.chunks_stored)
+        return self._answer(out.chunks_total, out.chunks_registered, out.chunks_refreshed, out.chunks_stored, out.bounds)
+
+    def _answer(self, total: int, registered: int, refreshed: int, stored: int, bounds) -> wire.StoreResponse:
+        m = self.metrics
+        m.store_chunks.labels("registered").inc(registered)
+        m.store_chunks.labels("refreshed").inc(refreshed)
+        m.store_chunks.labels("stored").inc(stored)
         return wire.StoreResponse(
-            chunks_total=out.chunks_total,
-            chunks_registered=out.chunks_registered,
-            chunks_refreshed=out.chunks_refreshed,
-            chunks_observed=out.chunks_total - out.chunks_stored,
-            chunks_stored=out.chunks_stored,
-            chunk_bounds=np.asarray(out.bounds, dtype="<u4").tobytes(),
+            chunks_total=total, chunks_registered=registered, chunks_refreshed=refreshed,
+            chunks_observed=total - stored, chunks_stored=stored,
+            chunk_bounds=np.asarray(bounds, dtype="<u4").tobytes(),
         )
 
     async def _commit(self, tokens: np.ndarray, header: wire.StoreHeader, identity: CacheIdentity, scope: str,
@@ -344,17 +345,7 @@ class KVHandlers:
             return self.store_response(out, identity, time.perf_counter() - t0)
         result = self.index.register(tokens, header.tokens, identity, scope, register_from=header.register_from)
         await self.dataplane.synced()
-        m = self.metrics
-        m.store_chunks.labels("registered").inc(result.chunks_registered)
-        m.store_chunks.labels("refreshed").inc(result.chunks_refreshed)
-        return wire.StoreResponse(
-            chunks_total=result.chunks_total,
-            chunks_registered=result.chunks_registered,
-            chunks_refreshed=result.chunks_refreshed,
-            chunks_observed=result.chunks_total,
-            chunks_stored=0,
-            chunk_bounds=np.asarray(result.bounds, dtype="<u4").tobytes(),
-        )
+        return self._answer(result.chunks_total, result.chunks_registered, result.chunks_refreshed, 0, result.bounds)
 
     def fetch_items(self, request: wire.FetchRequest, identity: CacheIdentity, tenant: str
                     ) -> list[tuple[int, int]] | list[FetchSpec]:

@@ -128,6 +128,7 @@ class MappedPool:
         self.header_bytes = header_bytes
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.tensor = torch.from_numpy(self.array)
+        self._pinned = False
 
     def view(self, offset: int, length: int) -> torch.Tensor:
         """The pool's bytes ``[offset, offset + length)`` (uint8, in place), bounds-checked: an
@@ -137,12 +138,36 @@ class MappedPool:
                              f"{self.name} ({self.size} bytes)")
         return self.tensor[offset : offset + length]
 
+    def pin(self) -> bool:
+        """Register the mapping with CUDA as pinned host memory (``cudaHostRegister``), so a run
+        of rows goes host-to-device in one asynchronous copy straight from the pool; False when
+        there is no CUDA device or the driver refused (copies then go through a pinned buffer)."""
+        if self._pinned:
+            return True
+        if not torch.cuda.is_available():
+            return False
+        err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.size, 0)
+        self._pinned = int(getattr(err, "value", err)) == 0
+        return self._pinned
+
+    def unpin(self) -> None:
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self._pinned = False
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinned
+
     def stamp_ok(self, offset: int, stamp: int) -> bool:
         """Whether the object whose payload starts at ``offset`` still carries ``stamp``."""
         at = offset - self.header_bytes + STAMP_AT
+        if at < 0 or at + 8 > self.size:
+            return False
         return struct.unpack_from("<Q", self._map, at)[0] == stamp
 
     def close(self) -> None:
         """Unmap when no view is left (views keep the mapping alive until then)."""
+        self.unpin()
         self.array = None  # type: ignore[assignment]
         self.tensor = None  # type: ignore[assignment]

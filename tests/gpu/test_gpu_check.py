@@ -35,6 +35,25 @@ def test_the_workers_copy_check_holds_on_the_cpu_path():
     assert ok and len(rows) == 12 and {r["kind"] for r in rows} == {"gqa", "mla"}, rows
 
 
+def test_the_pool_check_holds_on_the_cpu_path():
+    """Part 3 without CUDA: a pool file mapped as an engine maps it, copied chunk by chunk, equal;
+    no registration; the file is gone afterwards."""
+    import os
+
+    from sidecar.shm.pool import FILE_PATTERN
+
+    before = {f for f in os.listdir("/dev/shm") if FILE_PATTERN.fullmatch(f)}
+    row, ok = gpu_check.check_pool(chunk_bytes=1 << 20, chunks=4, device="cpu")
+    assert ok and row["correct"] and not row["registered"], row
+    assert {f for f in os.listdir("/dev/shm") if FILE_PATTERN.fullmatch(f)} == before
+
+
+@cuda
+def test_the_registered_pool_copies_to_the_device():
+    row, ok = gpu_check.check_pool(chunk_bytes=1 << 20, chunks=4)
+    assert ok and row["registered"], row
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-device answer")
 def test_without_a_device_the_check_says_so():
     out = subprocess.run([sys.executable, "-m", "bench.gpu_check"], cwd=ROOT, capture_output=True, text=True,
