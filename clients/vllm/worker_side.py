@@ -353,7 +353,8 @@ class WorkerSide:
                     payloads = None
                 else:
                     rows, wait = self.paged.gather(block_ids, positions), None
-                    payloads = self._payloads(job, rows)
+                    # through the shared pool the rows go straight into its slots (no payloads)
+                    payloads = None if self._pool(job.tenant) is not None else self._payloads(job, rows)
             self.counters["gather_us"] += int((time.perf_counter() - t0) * 1e6)
             if self.settings.store == "sync":
                 self._store(job, payloads, rows, wait)
@@ -361,6 +362,26 @@ class WorkerSide:
                 with self._lock:
                     self._store_futures = [f for f in self._store_futures if not f.done()]
                     self._store_futures.append(self._store_pool.submit(self._store, job, payloads, rows, wait))
+
+    def _store_pooled(self, pool: "PoolClient", job: StoreJob, rows: torch.Tensor) -> Any:
+        """Store the job's chunks through the sidecar's shared pool: slots reserved for the
+        chunks it does not hold, each chunk's rows copied straight into its slot, committed."""
+        sh = self.shape
+        at, offsets = 0, {}
+        for a, b in job.chunks:
+            offsets[a] = (at, b - a)
+            at += b - a
+        w = pool.reserve(job.tokens, identity=sh.identity, layout=sh.layout, chunk_starts=list(offsets),
+                         register_from=job.chunks[0][0])
+        try:
+            with single_threaded():
+                for start in w.slots:
+                    i, n = offsets[start]
+                    w.write_rows(start, rows.narrow(self.rows.token_axis, i, n))
+        except BaseException:
+            w.abort()
+            raise
+        return w.commit()
 
     def _payloads(self, job: StoreJob, rows: torch.Tensor) -> dict[int, memoryview]:
         """Each chunk's payload from the job's gathered rows (host memory)."""
@@ -373,16 +394,20 @@ class WorkerSide:
 
     def _store(self, job: StoreJob, payloads: dict[int, memoryview] | None, rows: torch.Tensor,
                wait: "Callable[[], None] | None") -> None:
-        if payloads is None:  # rows still arriving from the device: wait for that copy alone
+        if wait is not None:  # rows still arriving from the device: wait for that copy alone
             wait()
-            payloads = self._payloads(job, rows)
         sh = self.shape
         t0 = time.perf_counter()
         pool = self._pool(job.tenant)
-        res = self.link.call("store", job.tenant, lambda c: (pool or c).store(
-            job.tokens, identity=sh.identity, layout=sh.layout, payloads=payloads, register_from=job.chunks[0][0]))
-        if pool is not None and res is not None:
-            self.counters["pool_stores"] += 1
+        if pool is not None:
+            res = self.link.call("store", job.tenant, lambda c: self._store_pooled(pool, job, rows))
+            if res is not None:
+                self.counters["pool_stores"] += 1
+        else:
+            if payloads is None:
+                payloads = self._payloads(job, rows)
+            res = self.link.call("store", job.tenant, lambda c: c.store(
+                job.tokens, identity=sh.identity, layout=sh.layout, payloads=payloads, register_from=job.chunks[0][0]))
         self.counters["store_us"] += int((time.perf_counter() - t0) * 1e6)
         if res is not None:
             self.counters["stored_chunks"] += res.chunks_stored

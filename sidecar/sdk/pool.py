@@ -102,6 +102,12 @@ class PoolStore:
         self._alive("write")
         self.slots[start].copy_(as_byte_tensor(payload))
 
+    def write_rows(self, start: int, rows: torch.Tensor) -> None:
+        """Copy ``rows`` (``[L, P, n, *shape]``, any strides: e.g. a slice of rows gathered from
+        an engine's cache) into the slot of chunk ``start``, in ``KVLayout`` order."""
+        self._alive("write")
+        _copy(self.stacked(start), rows)
+
     def _alive(self, what: str) -> None:
         if time.monotonic() >= self.deadline:
             self._open = False

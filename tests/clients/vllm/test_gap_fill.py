@@ -135,6 +135,7 @@ def test_the_shared_pool_loads_and_stores_what_fetch_and_store_do(engine):
         [load] = s.steps[-1][1].loads
         assert worker.counters["load_failed_tokens"] == 0 and worker.counters["loaded_tokens"] > 0
         assert (worker.counters["pool_loads"] > 0) is pooled
+        assert (worker.counters["pool_stores"] > 0) is pooled and worker.counters["stored_chunks"] > 0
         assert worker.counters["engine_rotated_tokens"] > 0 or not pooled  # raw rows, rotated here
         loaded[pooled] = worker.paged.gather(torch.tensor(load.block_ids, dtype=torch.int64), torch.arange(len(x)))
         if pooled:
