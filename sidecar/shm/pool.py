@@ -1,8 +1,8 @@
 """The shared pool: the CPU tier's memory as a POSIX shared-memory file engines on this host map.
 
 The sidecar's side (``PoolFile``) names the file, holds a shared ``flock`` on it while alive and
-removes it on close; a new sidecar removes the files of dead ones (nobody holds their lock:
-``reap``), so a crash leaks a pool until the next start on the host, never longer. The name is
+removes it on close; a new sidecar removes the files of dead ones (nobody holds their lock, and
+older than a minute: ``reap``), so a crash leaks a pool until the next start on the host. The name is
 random per start (``lmcache_l1_pool_kvsc_pool_<32 hex>``, LMCache prefixes its pools' names), so
 it is also the pool's incarnation: every answer names its pool and a client trusts offsets only
 in the pool it mapped under that name.
@@ -23,6 +23,7 @@ import re
 import secrets
 import stat
 import struct
+import time
 
 import numpy as np
 import torch
@@ -80,9 +81,16 @@ class PoolFile:
             self._fd = -1
 
 
+#: a pool file younger than this is never reaped: LMCache creates it a moment before its
+#: sidecar takes the lock, and another sidecar starting then must not take it for a dead one's
+REAP_AFTER_S = 60.0
+
+
 def reap(directory: str = SHM_DIR) -> int:
-    """Remove the pools of sidecars that are gone (no process holds their lock); how many."""
+    """Remove the pools of sidecars that are gone (no process holds their lock, and older than
+    ``REAP_AFTER_S``); how many."""
     n = 0
+    now = time.time()
     try:
         names = [f for f in os.listdir(directory) if FILE_PATTERN.fullmatch(f)]
     except OSError:
@@ -94,6 +102,9 @@ def reap(directory: str = SHM_DIR) -> int:
         except OSError:
             continue
         try:
+            if now - os.fstat(fd).st_mtime < REAP_AFTER_S:
+                os.close(fd)  # being created, or its sidecar has just started
+                continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)  # alive

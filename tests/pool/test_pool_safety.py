@@ -38,7 +38,7 @@ from sidecar.client import SyncSidecarClient
 from sidecar.config import AuthConfig
 from sidecar.errors import NotFound, ResourceExhausted
 from sidecar.sdk.pool import PoolClient
-from sidecar.shm.pool import FILE_PATTERN, FILE_PREFIX, MappedPool
+from sidecar.shm.pool import FILE_PATTERN, FILE_PREFIX, REAP_AFTER_S, MappedPool
 from sidecar.shm.segment import SHM_DIR
 from sidecar.tiers import StoreConfig, chunk_key
 from sidecar.tiers.types import Tier
@@ -170,11 +170,15 @@ def _reader(target: str, prompts: list, leased: deque, done: threading.Event, t:
             t.add(reads=len(chunks), torn=torn, leases=1)
 
 
-def _writer(target: str, prompts: list, rounds: int, t: Tally, seed: int) -> None:
+def _writer(target: str, prompts: list, rounds: int, readers_done: threading.Event, t: Tally, seed: int) -> None:
+    """At least ``rounds`` Stores, and on (at most 20x as many) while the readers still read:
+    the evictor keeps emptying the tier, and readers need something to find."""
     rng = np.random.default_rng(seed)
     with SyncSidecarClient(target, tenant="a", timeout_s=60) as c:  # a loaded CI host: liveness, not speed
         pool = PoolClient(c)
-        for i in range(rounds):
+        for i in range(20 * rounds):
+            if i >= rounds and readers_done.is_set():
+                break
             tokens, _ = conversation(rng, 60)
             if i % 3 == 2 and prompts:  # again: chunks evicted meanwhile are stored again
                 tokens = prompts[int(rng.integers(len(prompts)))]
@@ -226,7 +230,9 @@ def test_races_at_full_pressure_never_tear_a_read(disk, tmp_path, rng):
         t = Tally()
         done = threading.Event()
         leased: deque = deque(maxlen=64)
-        writers = [threading.Thread(target=_run_with_errors, args=(_writer, t, st.target, prompts, 10, t, 100 + i))
+        enough = threading.Event()  # the readers finished their leases: writers may stop
+        writers = [threading.Thread(target=_run_with_errors,
+                                    args=(_writer, t, st.target, prompts, 10, enough, t, 100 + i))
                    for i in range(2)]
         others = [threading.Thread(target=_run_with_errors,
                                    args=(_reader, t, st.target, prompts, leased, done, t, 200 + i, ttl))
@@ -234,9 +240,10 @@ def test_races_at_full_pressure_never_tear_a_read(disk, tmp_path, rng):
         others.append(threading.Thread(target=_run_with_errors, args=(_evictor, t, st.target, leased, done, t, 7)))
         for th in writers + others:
             th.start()
+        wait_until(lambda: t.leases >= 20 or t.errors, "readers finished 20 leases", limit_s=180)
+        enough.set()
         for th in writers:
             th.join()
-        wait_until(lambda: t.leases >= 20 or t.errors, "readers finished 20 leases", limit_s=180)
         done.set()
         for th in others:
             th.join()
@@ -488,19 +495,23 @@ def test_a_dead_sidecars_pool_file_is_reaped_and_a_live_one_kept():
     dead = os.path.join(SHM_DIR, FILE_PREFIX + secrets.token_hex(16))
     alive = os.path.join(SHM_DIR, FILE_PREFIX + secrets.token_hex(16))
     other = os.path.join(SHM_DIR, FILE_PREFIX + "not-hex-" + secrets.token_hex(4))
-    for p in (dead, alive, other):
+    young = os.path.join(SHM_DIR, FILE_PREFIX + secrets.token_hex(16))  # being created by a sidecar starting now
+    old = time.time() - 2 * REAP_AFTER_S
+    for p in (dead, alive, other, young):
         with open(p, "wb") as f:
             f.write(b"\0" * 4096)
+        if p != young:
+            os.utime(p, (old, old))
     fd = os.open(alive, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH)  # a live sidecar's lock
     try:
         with ServerThread(config()) as st:
             assert st.server.dataplane.pool.name
             assert not os.path.exists(dead)
-            assert os.path.exists(alive) and os.path.exists(other)
+            assert os.path.exists(alive) and os.path.exists(other) and os.path.exists(young)
     finally:
         os.close(fd)
-        for p in (dead, alive, other):
+        for p in (dead, alive, other, young):
             if os.path.exists(p):
                 os.unlink(p)
 
