@@ -50,8 +50,11 @@ class ReusePolicy:
     store_shared: bool = False  # Store into the shared scope (operator-granted tenants; warm-up)
     #: on the sidecar's host, move KV through its shared pool (``sidecar.sdk.pool``: leased
     #: Fetch rotated by the engine, reserved Store) when the Fetch rotates (``Rotation.SERVER``)
-    #: and the layout is GQA / MHA; otherwise, or when there is no pool, Fetch and Store
-    shared_pool: bool = True
+    #: and the layout is GQA / MHA; otherwise, or when there is no pool, Fetch and Store. Off by
+    #: default here: on the TTFT bench's small random model (48 span items of 4-layer fp32 KV)
+    #: the pooled Fetch took 80 ms against 21 ms through the shared-memory buffer (per-chunk
+    #: work in the client); the pool pays off on large KV (``./dev bench dataplane``)
+    shared_pool: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rotation", Rotation(self.rotation))

@@ -215,6 +215,22 @@ class PoolClient:
                         _copy(out[:, p], src[:, p])
             at += c.rows
 
+    def _copy_rows(self, item: LeasedItem, buf: torch.Tensor, layout: KVLayout) -> None:
+        """``item``'s rows, at their source position, into ``buf`` (a payload of
+        ``item.num_tokens`` rows, ``KVLayout`` order): one strided copy per chunk and part."""
+        n, at = item.num_tokens, 0
+        widths = [p.bytes_per_token for p in layout.parts]
+        dst = buf.view(layout.num_layers, -1)  # per layer: each part's n rows, back to back
+        for c in item.chunks:
+            src = self.chunk_view(c).view(layout.num_layers, -1)
+            s_off = d_off = 0
+            for w in widths:
+                _copy(dst[:, d_off + at * w : d_off + (at + c.rows) * w],
+                      src[:, s_off + c.row_offset * w : s_off + (c.row_offset + c.rows) * w])
+                s_off += c.num_tokens * w
+                d_off += n * w
+            at += c.rows
+
     def intact(self, fetched: LeasedFetch, *, verify: bool = False) -> bool:
         """Whether every leased chunk still holds the bytes it was leased with: check after
         reading. The stamps tell whether the sidecar freed a chunk's memory meanwhile (a lease
@@ -249,6 +265,12 @@ class PoolClient:
         (and, with ``verify``, one whose bytes fail their checksum: ``intact``)."""
         fetched = self.lease(items, identity=identity, layout=layout, plan_identity=plan_identity)
         out: list[FetchedKV] = []
+        shifted: list[tuple[torch.Tensor, int, int]] = []
+        # one allocation for the call (numpy backs big ones with huge pages: a few page faults,
+        # not one per 4 KiB); each result is a view of it, so holding one holds the block
+        block = torch.from_numpy(np.empty(sum(it.num_tokens for it in fetched.items if it.ok)
+                                          * layout.bytes_per_token, dtype=np.uint8))
+        at = 0
         try:
             for it in fetched.items:
                 h = items[it.index].chunk_hash if isinstance(items[it.index], FetchSpec) else items[it.index][0]
@@ -256,10 +278,19 @@ class PoolClient:
                     out.append(FetchedKV(index=it.index, chunk_hash=h, ok=False))
                     continue
                 n = it.num_tokens
-                buf = torch.empty(n * layout.bytes_per_token, dtype=torch.uint8)
-                self.read_into(it, stacked_view(buf, layout, n), layout, rope)
+                buf = block[at : at + n * layout.bytes_per_token]
+                at += n * layout.bytes_per_token
+                self._copy_rows(it, buf, layout)
+                if it.delta:
+                    shifted.append((buf, n, it.delta))
                 out.append(FetchedKV(index=it.index, chunk_hash=h, ok=True, num_tokens=n, source_pos=it.source_pos,
                                      delta=it.delta, rotated=True, tier=it.chunks[0].tier, data=memoryview(buf.numpy())))
+            if shifted:  # every shifted item's keys in one batched kernel call, in the caller's buffers
+                if rope is None:
+                    raise ValueError("rope: required to place shifted items")
+                from sidecar.rotation import rotate_payloads_  # noqa: PLC0415 - numba loads only when rotating
+
+                rotate_payloads_(shifted, layout, rope)
             if not self.intact(fetched, verify=verify):
                 for r, it in zip(out, fetched.items, strict=True):
                     one = LeasedFetch(fetched.pool, fetched.lease, [it])
