@@ -118,8 +118,12 @@ def test_score_work_does_not_depend_on_another_tenants_content(fleet: FleetProcs
     assert reads.get("hmget") == 2 * nchunks and reads.get("get") == 1, reads  # own scope + shared; r0's beat
     assert [(s.replica, s.saved_tokens, s.prefill_tokens) for s in res.scores] == [("r0", 0, len(p)), ("r1", 0, len(p))]
     for w in nobody + alice_has:
-        assert w[0] == reads and w[1] == ks, (w[:2], (reads, ks))
+        assert w[0] == reads, (w[0], reads)
         assert w[2] == res
+    # keyspace hits and misses are the server's global counters: a peer sidecar's background read
+    # (its heartbeat) may land inside one sample, never in all three of a world
+    least = lambda world: min(w[1] for w in world)  # noqa: E731
+    assert least(nobody) == least(alice_has), ([w[1] for w in nobody], [w[1] for w in alice_has])
     print(f"\nbob's Score of P ({len(p)} tokens, {nchunks} chunks), median of 200: nobody holds P "
           f"{t_nobody * 1e3:.3f} ms, alice holds P {t_alice * 1e3:.3f} ms; Redis reads per Score {reads}, "
           f"keyspace hits/misses {ks}")
