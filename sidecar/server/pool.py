@@ -51,9 +51,7 @@ class PoolHandlers:
         self._local(context)
         f = request.fetch
         identity = self.edge.identities.get(f.identity, f.HasField("identity"))
-        if not f.HasField("layout"):
-            raise InvalidArgument("fetch.layout: required")
-        layout = layout_from_wire(f.layout, "fetch.layout")
+        layout = _layout(f, "fetch.layout")
         items = self.kv.fetch_items(f, identity, tenant)
         t0 = time.perf_counter()
         got = await self.pool.lease_fetch(tenant, identity, layout, items, self.kv.config.max_fetch_bytes)
@@ -84,9 +82,7 @@ class PoolHandlers:
         self._local(context)
         header = request.header
         tokens, identity, scope = self.kv.store_header(header, tenant)
-        if not header.HasField("layout"):
-            raise InvalidArgument("header.layout: required")
-        layout = layout_from_wire(header.layout, "header.layout")
+        layout = _layout(header, "header.layout")
         res = await self.pool.reserve_store(tenant, tokens, header.tokens, identity, scope, layout,
                                             header.register_from, list(request.chunk_starts))
         return wire.ReserveStoreResponse(
@@ -113,6 +109,13 @@ class PoolHandlers:
         tenant = self.edge.tenancy.resolve(context)
         rid = wire.check_id(request.reservation, "reservation")
         return wire.AbortStoreResponse(slots=await self.pool.abort_store(tenant, rid))
+
+
+def _layout(msg, field: str):
+    """The required ``layout`` of ``msg`` (a FetchRequest or StoreHeader), decoded."""
+    if not msg.HasField("layout"):
+        raise InvalidArgument(f"{field}: required")
+    return layout_from_wire(msg.layout, field)
 
 
 async def run_reaper(dataplane: DataPlane, every_s: float) -> None:
