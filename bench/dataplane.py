@@ -10,7 +10,8 @@ shared pool (``store.cpu_shared``); the engine is this process. The KV is Llama-
 (32 layers x K,V 8 heads x 128, bf16: 128 KiB per token) in 128-token chunks (anchored
 messages), stored once; the engine's KV lives in one ``[L, 2, N, H, D]`` bf16 tensor. Each
 figure is the median wall time of the whole operation the engine sees (RPCs included), reps of
-the paths compared interleaved rep by rep, over the payload bytes:
+the paths compared interleaved rep by rep, each after a pause for the previous one's leftovers
+(``settled``), over the payload bytes:
 
 * ``copy_``: ``dst.copy_(src)`` of two preallocated, page-faulted tensors of the payload size
   (best of a few reps): what moving these bytes once costs on this machine.
@@ -68,6 +69,8 @@ HEADER = 64
 #: H100 (~40 us per token of prefill).
 BREAK_EVEN_GBPS = 3.3
 FETCH_PATHS = ("pool", "segment", "stream")
+#: the pause before each timed rep (``settled``)
+SETTLE_S = 0.3
 STORE_PATHS = ("pool", "stream")
 
 
@@ -212,6 +215,15 @@ class Case:
                                f"{a.numel()} values")
 
 
+def settled(fn: Callable[[], Any]) -> float:
+    """``timed(fn)`` after the previous path's leftovers are done: this process's garbage
+    collected and a pause for the sidecar's (the stream paths leave the server freeing hundreds
+    of MiB of messages after their answer, on the same cores the next path runs on)."""
+    gc.collect()
+    time.sleep(SETTLE_S)
+    return timed(fn)
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
@@ -231,7 +243,7 @@ def run_size(case: Case, reps: int) -> dict[str, Any]:
     for _ in range(reps):
         for kind in case.plans:
             for path in FETCH_PATHS:
-                fetch_t[kind][path].append(timed(lambda: case.fetch(path, kind)))
+                fetch_t[kind][path].append(settled(lambda: case.fetch(path, kind)))
     # The Fetch data, staging and segment buffer go before the Stores: memory stays bounded.
     case.forget(case.prompt)
     case.staging.clear()
@@ -242,7 +254,7 @@ def run_size(case: Case, reps: int) -> dict[str, Any]:
         for path in STORE_PATHS:
             tokens = body(case.rng, case.n)
             fn = case.store_pool if path == "pool" else case.store_stream
-            t = timed(lambda: fn(tokens))
+            t = settled(lambda: fn(tokens))
             case.forget(tokens)
             gc.collect()
             if i:

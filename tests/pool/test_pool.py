@@ -113,3 +113,24 @@ def test_the_pool_file_goes_with_its_sidecar():
         name = st.server.dataplane.pool.name
         assert name in pools() - before
     assert name not in pools()
+
+
+def resident_kib(address: int) -> int:
+    """The resident size (kB) of this process's mapping that starts at ``address``."""
+    lines = open("/proc/self/smaps").read().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split(" ", 1)[0]
+        if "-" in head and int(head.split("-")[0], 16) == address:
+            for row in lines[i + 1:]:
+                if row.startswith("Rss:"):
+                    return int(row.split()[1])
+    raise AssertionError(f"no mapping starts at {address:#x}")
+
+
+def test_an_engine_maps_the_pool_with_its_pages_in_place(served):
+    """The engine's mapping is populated when made, so no Fetch or Store faults a page in."""
+    st, c = served
+    pool = PoolClient(c)
+    assert pool.available
+    mapped = pool.mapped
+    assert resident_kib(mapped.tensor.data_ptr()) * 1024 == mapped.size
