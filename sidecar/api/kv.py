@@ -350,7 +350,9 @@ def store_messages(
     registered from ``register_from``), then, with ``layout`` and ``payloads`` ({chunk start:
     KV bytes at that chunk's positions, ``KVLayout`` order}), each payload in parts of at most
     ``part_bytes`` in chunk order, the last part of each marked ``last``; then the commit (the
-    server registers and stores nothing for a stream that ends without it)."""
+    server registers and stores nothing for a stream that ends without it). For callers of the
+    generated stub; the SDK sends the same stream as wire frames (``sidecar.api.store_frames``:
+    each payload copied once, not by protobuf four times)."""
     header = pb.StoreHeader(
         tokens=tokens_to_wire(tokens), identity=identity_to_wire(identity), register_from=register_from, shared=shared
     )

@@ -2,7 +2,7 @@
 
     Store(tokens, layout, payload parts)          Fetch(items = (hash, target_pos))
       chunk tokens -> boundaries                    registry entry (scope-checked)
-      every part names a boundary; sizes checked    store.get_many (checksum-verified, promoted)
+      parts checked and staged (intake.py)          store.get_many (checksum-verified, promoted)
       store.put per chunk (atomic, checksummed)     rotary parts rotated by target - source
       registry entry -> RESIDENT (visible now)      (fp32 math, one rounding) unless raw
 
@@ -46,13 +46,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from sidecar.claims import ClaimLedger
-from sidecar.errors import InvalidArgument, ResourceExhausted
+from sidecar.errors import ResourceExhausted
 from sidecar.identity import SHARED_SCOPE, CacheIdentity, KVLayout
 from sidecar.registry.chunk_index import ChunkIndex
 from sidecar.registry.entry import ChunkEntry, EntryState
@@ -71,6 +71,7 @@ from sidecar.tiers.store_pool import Slot
 
 from sidecar.dataplane.fetch import FetchPath, check_layout
 from sidecar.dataplane.held import HeldPath
+from sidecar.dataplane.intake import StoreIntake, check_payloads, chunk_sizes
 from sidecar.dataplane.pool import PoolPath
 from sidecar.dataplane.records import DataPlaneCounters, StoreOutcome, decode_aux, encode_aux
 
@@ -239,6 +240,30 @@ class DataPlane(FetchPath, HeldPath):
         check_layout(identity, layout)
         return self.index.entries(tokens, data, identity, scope, register_from=register_from, copies=True)
 
+    def store_intake(
+        self, tokens: np.ndarray, data: bytes, identity: CacheIdentity, scope: str, register_from: int,
+        layout: Callable[[], KVLayout | None], max_chunk_bytes: int,
+    ) -> StoreIntake:
+        """A Store stream's intake (``sidecar.dataplane.intake``): its payload parts checked as
+        they arrive and staged, its commit checked; then ``store_stream``."""
+        def chunking(kv: KVLayout) -> tuple[list[ChunkEntry], int]:
+            return self.store_entries(tokens, data, identity, scope, kv, register_from)
+
+        return StoreIntake(chunking, tokens, data, identity, scope, register_from, layout, max_chunk_bytes)
+
+    async def store_stream(self, intake: StoreIntake, tenant: str) -> StoreOutcome:
+        """Store what a closed ``intake`` holds (``store_payloads``: all or nothing), or, when it
+        carried no payload, register its chunks' metadata (OBSERVED)."""
+        if intake.payloads:
+            return await self.store_payloads(
+                intake.tokens, intake.data, intake.identity, intake.scope, tenant, intake.layout, intake.payloads,
+                intake.register_from, intake.chunked,
+            )
+        result = self.index.register(intake.tokens, intake.data, intake.identity, intake.scope,
+                                     register_from=intake.register_from)
+        await self.synced()
+        return StoreOutcome(result.chunks_total, result.chunks_registered, result.chunks_refreshed, 0, result.bounds)
+
     async def store_payloads(
         self,
         tokens: np.ndarray,
@@ -247,7 +272,7 @@ class DataPlane(FetchPath, HeldPath):
         scope: str,
         tenant: str,
         layout: KVLayout,
-        payloads: dict[int, bytearray | Slot],
+        payloads: Mapping[int, memoryview | bytearray | Slot],
         register_from: int,
         chunked: tuple[list[ChunkEntry], int] | None = None,
     ) -> StoreOutcome:
@@ -262,21 +287,8 @@ class DataPlane(FetchPath, HeldPath):
             tokens, data, identity, scope, layout, register_from
         )
         entries = {e.source_pos: e for e in listed}
-        per_token = layout.bytes_per_token
-        for start, buf in payloads.items():
-            e = entries.get(start)
-            if e is None:
-                starts = sorted(entries)
-                raise InvalidArgument(
-                    f"payload.chunk_start: {start} is not a chunk boundary at or after register_from "
-                    f"(boundaries: {starts[:8]}{'...' if len(starts) > 8 else ''})"
-                )
-            expected = e.num_tokens * per_token
-            if len(buf) != expected:
-                raise InvalidArgument(
-                    f"payload.data: chunk at {start} has {len(buf)} bytes; layout x {e.num_tokens} tokens "
-                    f"needs {expected}"
-                )
+        # The stream's StoreIntake (and a reservation's slots) already fit: a guard for any caller.
+        check_payloads(chunk_sizes(listed, layout), payloads)
         stored: list[bytes] = []
         tiers: dict[int, str] = {}
         held: dict[int, ChunkEntry] = {}  # chunks the tiers already held: their copy stays canonical

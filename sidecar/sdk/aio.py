@@ -64,7 +64,7 @@ class SidecarClient(ClientBase, KVSidecarRpcs):
         return await getattr(self._stub, rpc.method)(req, metadata=self._metadata, timeout=self._timeout)
 
     async def _client_stream(self, rpc: Rpc, msgs: Any) -> Any:
-        return await getattr(self._stub, rpc.method)(iter(msgs), metadata=self._metadata, timeout=self._timeout)
+        return await self._stream_calls[rpc.method](iter(msgs), metadata=self._metadata, timeout=self._timeout)
 
     async def _server_stream(self, rpc: Rpc, req: Any) -> list[Any]:
         return [m async for m in getattr(self._stub, rpc.method)(req, metadata=self._metadata, timeout=self._timeout)]

@@ -20,7 +20,8 @@ import grpc
 
 from sidecar.api.service import Stub
 from sidecar.api.frames import FETCH_METHOD, FETCH_SESSION_METHOD, parse_fetch_frame
-from sidecar.api.kv import AUTH_HEADER, TENANT_HEADER
+from sidecar.api.kv import AUTH_HEADER, TENANT_HEADER, StoreResponse
+from sidecar.api.store_frames import STORE_METHOD, serialize_store
 from sidecar.errors import SidecarError, error_for_status
 from sidecar.sdk.fetch import FetchAssembler, FrameCall
 from sidecar.shm import SHM_DIR, SegmentPool, local_target
@@ -119,6 +120,10 @@ class ClientBase:
             FETCH_SESSION_METHOD, request_serializer=_serialize, response_deserializer=parse_fetch_frame
         )
         self._frame_calls = {"Fetch": self._fetch, "FetchSession": self._fetch_session}
+        # Store streams wire frames (sidecar.api.store_frames): each payload part copied once.
+        self._stream_calls = {"Store": self._channel.stream_unary(
+            STORE_METHOD, request_serializer=serialize_store, response_deserializer=StoreResponse.FromString
+        )}
         self._metadata = headers(tenant, token)
         self._timeout = timeout_s
         self._retry = retry

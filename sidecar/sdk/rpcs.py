@@ -41,8 +41,8 @@ from sidecar.api.kv import (
     lookup_request,
     ping_request,
     stats_request,
-    store_messages,
 )
+from sidecar.api.store_frames import store_frames
 from sidecar.api.pool import (
     abort_store_request,
     commit_store_request,
@@ -87,7 +87,7 @@ class Kind(enum.Enum):
     """How an RPC travels, which decides what its request builder returns and how it is sent."""
 
     UNARY = "unary"  # one request message, one answer
-    CLIENT_STREAM = "client_stream"  # the builder returns the messages to stream (Store)
+    CLIENT_STREAM = "client_stream"  # the builder returns the messages (or wire frames) to stream (Store)
     SERVER_STREAM = "server_stream"  # the answers are collected, then converted as one list
     FRAMES = "frames"  # Fetch frames decoded in place and assembled (sidecar.sdk.fetch.FrameCall)
     WATCH = "watch"  # an open stream the caller iterates: no deadline, never retried
@@ -165,13 +165,14 @@ class KVSidecarRpcs:
         nothing; otherwise the hits it returns have their recency refreshed (still safe to
         retry). ``policy`` / ``left_context_window`` / ``recompute_tokens`` / ``repair_scope``:
         None = the server's defaults.""")
-    store = Rpc("Store", store_messages, StoreResult.from_wire, idempotent=True, kind=Kind.CLIENT_STREAM, doc="""
+    store = Rpc("Store", store_frames, StoreResult.from_wire, idempotent=True, kind=Kind.CLIENT_STREAM, doc="""
         Register the chunks of ``tokens`` (the whole sequence from position 0) starting at or
         after ``register_from``; with ``layout`` and ``payloads`` ({chunk start: KV bytes at
         that chunk's positions, ``KVLayout`` order}) also store their KV. Chunk starts come
         from ``LookupPlan.chunk_bounds`` or a previous ``StoreResult.chunk_bounds``. Each chunk
         becomes visible only once its payload is complete and verified. ``part_bytes``: payload
-        bytes per stream message.""")
+        bytes per stream message (each part is copied once, into its message, as the stream is
+        sent: a payload must not change until the call returns).""")
     fetch = Rpc("Fetch", fetch_call, idempotent=True, kind=Kind.FRAMES)
     evict = Rpc("Evict", evict_request, attrgetter("evicted"), idempotent=False, doc="""
         Operators: drop the copies of ``chunk_hashes`` from ``tier`` ("": each one's top tier,

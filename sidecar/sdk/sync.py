@@ -61,7 +61,7 @@ class SyncSidecarClient(ClientBase, KVSidecarRpcs):
         return getattr(self._stub, rpc.method)(req, metadata=self._metadata, timeout=self._timeout)
 
     def _client_stream(self, rpc: Rpc, msgs: Any) -> Any:
-        return getattr(self._stub, rpc.method)(iter(msgs), metadata=self._metadata, timeout=self._timeout)
+        return self._stream_calls[rpc.method](iter(msgs), metadata=self._metadata, timeout=self._timeout)
 
     def _server_stream(self, rpc: Rpc, req: Any) -> list[Any]:
         return list(getattr(self._stub, rpc.method)(req, metadata=self._metadata, timeout=self._timeout))

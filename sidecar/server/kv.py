@@ -21,6 +21,7 @@ import numpy as np
 from sidecar import __version__
 import sidecar.api.kv as wire
 from sidecar.api.frames import Framer
+from sidecar.api.store_frames import StorePart
 from sidecar.api.kv import (
     layout_from_wire,
     lookup_plan_to_wire,
@@ -32,6 +33,7 @@ from sidecar.api.kv import (
 from sidecar.claims import ClaimLedger
 from sidecar.config import SidecarConfig
 from sidecar.dataplane import DataPlane
+from sidecar.dataplane.intake import StoreIntake, check_register_from
 from sidecar.dataplane.shards import check_shards, translate
 from sidecar.dataplane.spans import SpanResult, regroup
 from sidecar.dataplane.spans import check as check_spans
@@ -50,6 +52,11 @@ _PING = wire.PingResponse()
 #: tenants whose Lookup totals Stats keeps (least recently active dropped past it)
 _TENANT_TOTALS = 4096
 _T = TypeVar("_T")
+
+
+def _store_layout(header: wire.StoreHeader) -> KVLayout | None:
+    """A Store header's layout, decoded when its first payload part arrives (None: it has none)."""
+    return layout_from_wire(header.layout, "header.layout") if header.HasField("layout") else None
 
 
 def _settled(task: asyncio.Task) -> None:
@@ -188,75 +195,38 @@ class KVHandlers:
 
     @rpc
     async def Store(
-        self, request_iterator: AsyncIterator[wire.StoreRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[StorePart | wire.StoreRequest], context: grpc.aio.ServicerContext
     ) -> wire.StoreResponse:
         tenant = self.edge.tenancy.resolve(context)
-        header = None
-        payloads: dict[int, bytearray] = {}
-        complete: set[int] = set()
-        sizes: dict[int, int] | None = None  # chunk start -> its payload bytes (layout x tokens)
-        chunked = layout = None
-        max_chunk = self.config.max_message_bytes
+        intake: StoreIntake | None = None
         # Read the whole stream before changing anything: a bad message anywhere leaves the
-        # registry and the tiers untouched. Each message is checked as it arrives against what
-        # the header allows (chunk boundaries, each chunk's exact size), so a bad part is
-        # refused before more is buffered and at most sum(sizes) bytes are ever held. Only the
-        # client's commit message commits: grpc.aio ends the request stream of a cancelled or
-        # expired call exactly like a half-close, so the end of the stream proves nothing.
+        # registry and the tiers untouched. Each part is checked as it arrives (StoreIntake:
+        # chunk boundaries, each chunk's exact size), so a bad part is refused before more is
+        # buffered. Payload parts come decoded in place (sidecar.api.store_frames: ``data`` is
+        # a view of the received message). Only the client's commit message commits: grpc.aio
+        # ends the request stream of a cancelled or expired call exactly like a half-close, so
+        # the end of the stream proves nothing.
         commit = None
         messages = aiter(request_iterator)  # read on after the commit (below)
         async for msg in messages:
+            if type(msg) is StorePart:
+                if intake is None:
+                    raise InvalidArgument("header: the first Store message must carry the header")
+                intake.add(msg.chunk_start, msg.data, msg.last)
+                continue
             which = msg.WhichOneof("msg")
             if which == "commit":
                 commit = msg.commit
                 break
-            if which == "header":
-                if header is not None:
-                    raise InvalidArgument("header: sent more than once in one Store stream")
-                header = msg.header
-                tokens, identity, scope = self.store_header(header, tenant)  # before reading any payload
-            elif which == "payload":
-                if header is None:
-                    raise InvalidArgument("header: the first Store message must carry the header")
-                if sizes is None:
-                    if not header.HasField("layout"):
-                        raise InvalidArgument("header.layout: required when payload parts follow")
-                    layout = layout_from_wire(header.layout, "header.layout")
-                    chunked = self.dataplane.store_entries(
-                        tokens, header.tokens, identity, scope, layout, header.register_from
-                    )
-                    per_token = layout.bytes_per_token
-                    sizes = {e.source_pos: e.num_tokens * per_token for e in chunked[0]}
-                part = msg.payload
-                start = part.chunk_start
-                expected = sizes.get(start)
-                if expected is None:
-                    starts = sorted(sizes)
-                    raise InvalidArgument(
-                        f"payload.chunk_start: {start} is not a chunk boundary at or after register_from "
-                        f"(boundaries: {starts[:8]}{'...' if len(starts) > 8 else ''})"
-                    )
-                if start in complete:
-                    raise InvalidArgument(f"payload.chunk_start: chunk at {start} received after its last part")
-                buf = payloads.get(start)
-                if buf is None:
-                    buf = payloads[start] = bytearray()
-                n = len(buf) + len(part.data)
-                if n > expected:
-                    raise InvalidArgument(
-                        f"payload.data: chunk at {start} has more than the {expected} bytes its layout x tokens need"
-                    )
-                if n > max_chunk:
-                    raise InvalidArgument(f"payload.data: chunk at {start} exceeds {max_chunk} bytes")
-                buf += part.data
-                if part.last:
-                    if n != expected:
-                        raise InvalidArgument(
-                            f"payload.data: chunk at {start} has {n} bytes; its layout x tokens need {expected}"
-                        )
-                    complete.add(start)
-            else:
+            if which != "header":
                 raise InvalidArgument("msg: empty StoreRequest (neither header nor payload)")
+            if intake is not None:
+                raise InvalidArgument("header: sent more than once in one Store stream")
+            header = msg.header
+            tokens, identity, scope = self.store_header(header, tenant)  # before reading any payload
+            layout = functools.partial(_store_layout, header)
+            intake = self.dataplane.store_intake(tokens, header.tokens, identity, scope, header.register_from, layout,
+                                                 self.config.max_message_bytes)
         if commit is None:
             await asyncio.sleep(0)  # a cancel is delivered in a callback of its own: let it land
             if context.cancelled():
@@ -264,19 +234,10 @@ class KVHandlers:
             raise InvalidArgument(
                 "commit: the Store stream ended without a commit message; nothing was registered or stored"
             )
-        if header is None:
+        if intake is None:
             raise InvalidArgument("header: Store stream carried no header")
-        incomplete = sorted(set(payloads) - complete)
-        if incomplete:
-            raise InvalidArgument(f"payload.last: chunks at {incomplete[:8]} never received their last part")
-        if commit.chunks != len(payloads):
-            raise InvalidArgument(f"commit.chunks: {commit.chunks}, but the stream carried {len(payloads)} payloads")
-        nbytes = sum(map(len, payloads.values()))
-        if commit.payload_bytes != nbytes:
-            raise InvalidArgument(
-                f"commit.payload_bytes: {commit.payload_bytes}, but the stream carried {nbytes} payload bytes"
-            )
-        work = functools.partial(self._commit, tokens, header, identity, scope, tenant, layout, payloads, chunked)
+        intake.close(commit.chunks, commit.payload_bytes)
+        work = functools.partial(self._commit, intake, tenant)
         # The commit must be the stream's last message: read on to the stream's end (the
         # client half-closes after its commit) and refuse the whole Store if anything follows,
         # rather than store what came before and drop the rest. A cancel meanwhile ends the
@@ -291,8 +252,9 @@ class KVHandlers:
         finally:
             self.awaiting_close -= 1
         if trailing is not None:
+            kind = "payload" if type(trailing) is StorePart else trailing.WhichOneof("msg") or "message"
             raise InvalidArgument(
-                f"commit: must be the last message of a Store stream, but a {trailing.WhichOneof('msg') or 'message'} "
+                f"commit: must be the last message of a Store stream, but a {kind} "
                 "followed it; nothing of this stream was registered or stored"
             )
         # Committed by the client: it completes (or is refused whole) even if the call is
@@ -304,10 +266,7 @@ class KVHandlers:
         self.edge.limits.check_tokens(tenant, len(header.tokens) // 4)
         tokens = tokens_from_wire(header.tokens, "header.tokens", self.config.max_prompt_tokens)
         identity = self.edge.identities.get(header.identity, header.HasField("identity"))
-        if header.register_from > len(tokens):
-            raise InvalidArgument(
-                f"header.register_from: {header.register_from} exceeds the sequence length {len(tokens)}"
-            )
+        check_register_from(len(tokens), header.register_from)
         scope = tenant
         if header.shared:
             self.edge.tenancy.check_shared_write(tenant)
@@ -334,18 +293,12 @@ class KVHandlers:
             chunk_bounds=np.asarray(bounds, dtype="<u4").tobytes(),
         )
 
-    async def _commit(self, tokens: np.ndarray, header: wire.StoreHeader, identity: CacheIdentity, scope: str,
-                      tenant: str, layout: KVLayout | None, payloads: dict[int, bytearray],
-                      chunked: tuple | None) -> wire.StoreResponse:
-        if payloads:
-            t0 = time.perf_counter()
-            out = await self.dataplane.store_payloads(
-                tokens, header.tokens, identity, scope, tenant, layout, payloads, header.register_from, chunked
-            )
-            return self.store_response(out, identity, time.perf_counter() - t0)
-        result = self.index.register(tokens, header.tokens, identity, scope, register_from=header.register_from)
-        await self.dataplane.synced()
-        return self._answer(result.chunks_total, result.chunks_registered, result.chunks_refreshed, 0, result.bounds)
+    async def _commit(self, intake: StoreIntake, tenant: str) -> wire.StoreResponse:
+        t0 = time.perf_counter()
+        out = await self.dataplane.store_stream(intake, tenant)
+        if intake.payloads:
+            return self.store_response(out, intake.identity, time.perf_counter() - t0)
+        return self._answer(out.chunks_total, out.chunks_registered, out.chunks_refreshed, 0, out.bounds)
 
     def fetch_items(self, request: wire.FetchRequest, identity: CacheIdentity, tenant: str
                     ) -> list[tuple[int, int]] | list[FetchSpec]:

@@ -8,7 +8,9 @@ handler, or with two, fails at startup, not at its first call. Compared with the
 * undecodable request bytes, and requests past a ``wire`` limit, become INVALID_ARGUMENT
   (counted, no handler runs) instead of gRPC's UNKNOWN / INTERNAL and an ERROR log record;
 * the serializers of Fetch and FetchSession accept pre-encoded frames (``sidecar.api.frames``),
-  so multi-MiB payload parts are copied once, not three times.
+  so multi-MiB payload parts are copied once, not three times;
+* Store's deserializer reads payload parts in place (``sidecar.api.store_frames``): the handler
+  gets each part's data as a view of the received message.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import grpc
 
 from sidecar.api.frames import serialize_fetch
+from sidecar.api.store_frames import StorePart, parse_store_request
 from sidecar.api.kv import RequestLimits
 from sidecar.errors import InvalidArgument
 from sidecar.api.service import METHODS, SERVICE_NAME, Method
@@ -26,6 +29,9 @@ from sidecar.server.edge import Edge
 
 #: Streaming methods whose responses are pre-serialized frames (``sidecar.api.frames``).
 _FRAMED = frozenset(("Fetch", "FetchSession"))
+#: Methods whose requests are decoded by hand: Store's payload parts are read in place
+#: (``sidecar.api.store_frames``), not copied by a protobuf parse and a field read.
+_DECODERS = {"Store": parse_store_request}
 _KINDS = {
     (False, False): grpc.unary_unary_rpc_method_handler,
     (False, True): grpc.unary_stream_rpc_method_handler,
@@ -45,12 +51,19 @@ class _Undecodable:
         self.error = error
 
 
-def _lenient(cls: type, limits: RequestLimits) -> Callable[[bytes], Any]:
+def _lenient(cls: type, limits: RequestLimits, decode: Callable[[bytes], Any] | None = None) -> Callable[[bytes], Any]:
+    """``cls``'s request deserializer (``decode``: another parser of ``cls``'s wire format)."""
+    decode = decode or cls.FromString
+
     def parse(data: bytes) -> Any:
         try:
-            msg = cls.FromString(data)
+            msg = decode(data)
+        except InvalidArgument as exc:  # the decoder named the field (a Store part cut short)
+            return _Undecodable(str(exc))
         except Exception as exc:  # noqa: BLE001 - DecodeError and friends: the client's bytes
             return _Undecodable(f"request: not a valid {cls.DESCRIPTOR.full_name} message ({type(exc).__name__})")
+        if type(msg) is StorePart:
+            return msg  # no string or repeated field to bound
         # String / repeated field bounds (wire.*), refused like undecodable bytes: before any
         # handler sees (or caches) the oversized value.
         err = limits.error(msg)
@@ -119,7 +132,7 @@ def add_service(server: grpc.aio.Server, edge: Edge, areas: Iterable[object], li
         kind = (m.client_streaming, m.server_streaming)
         handlers[m.name] = _KINDS[kind](
             _checked(edge, m.name, bound[m.name], *kind),
-            request_deserializer=_lenient(m.request, limits),
+            request_deserializer=_lenient(m.request, limits, _DECODERS.get(m.name)),
             response_serializer=serialize_fetch if m.name in _FRAMED else m.response.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
