@@ -53,7 +53,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench import vllm_load
 from bench.harness import RESULTS, machine, sidecar_process, write_results
+from clients.vllm.placing import Scratch
+from clients.vllm.staging import Staging
 from sidecar.api.payload import stacked_view
 from sidecar.client import SyncSidecarClient
 from sidecar.identity import CacheIdentity, KVLayout
@@ -244,6 +247,7 @@ def run_size(case: Case, reps: int) -> dict[str, Any]:
         for kind in case.plans:
             for path in FETCH_PATHS:
                 fetch_t[kind][path].append(settled(lambda: case.fetch(path, kind)))
+    load_t = vllm_loads(case, reps)
     # The Fetch data, staging and segment buffer go before the Stores: memory stays bounded.
     case.forget(case.prompt)
     case.staging.clear()
@@ -271,7 +275,28 @@ def run_size(case: Case, reps: int) -> dict[str, Any]:
         "copy_": {"ms": copy_s * 1e3, "gbps": gbps(nbytes, copy_s)},
         "fetch": {k: {p: row(v) for p, v in paths.items()} for k, paths in fetch_t.items()},
         "store": {p: row(v) for p, v in store_t.items()},
+        "vllm_load": {c: {k: row(v) for k, v in kinds.items()} for c, kinds in load_t.items()},
     }
+
+
+def vllm_loads(case: Case, reps: int) -> dict[str, dict[str, list[float]]]:
+    """Seconds per load into each vLLM cache on CPU (``bench.vllm_load``), exact and shifted,
+    one cache at a time; the first load of each is checked against ``read_into``'s rows."""
+    layout = case.layout
+    part = layout.parts[0]
+    out: dict[str, dict[str, list[float]]] = {}
+    staging, scratch = Staging(torch.device("cpu")), Scratch()
+    for name in vllm_load.CACHES:
+        cache, table = vllm_load.build(name, layout.num_layers, part.shape[0], part.shape[1], case.n)
+        out[name] = {}
+        for kind in case.plans:
+            case.fetch("pool", kind)  # read_into's rows: the reference
+            vllm_load.load(case, kind, cache, table, staging, scratch)
+            vllm_load.check(case, kind, cache, table, case.staging["pool"])
+            out[name][kind] = [settled(lambda: vllm_load.load(case, kind, cache, table, staging, scratch)) for _ in range(reps)]
+        del cache
+        gc.collect()
+    return out
 
 
 def table(results: dict[str, dict]) -> str:
@@ -282,6 +307,7 @@ def table(results: dict[str, dict]) -> str:
                      f"{c['gbps'] / BREAK_EVEN_GBPS:>6.2f}")
         rows = [(f"fetch {k} {p}", v) for k, paths in r["fetch"].items() for p, v in paths.items()]
         rows += [(f"store {p}", v) for p, v in r["store"].items()]
+        rows += [(f"vllm {c} {k}", v) for c, kinds in r.get("vllm_load", {}).items() for k, v in kinds.items()]
         for name, v in rows:
             lines.append(f"{'':>6} {'':>6}  {name:<24} {v['ms']:>9.1f} {v['gbps']:>7.2f} {v['x_copy']:>8.2f} "
                          f"{v['x_break_even']:>6.2f}")

@@ -45,6 +45,7 @@ import torch
 from clients.vllm.layouts import LatentKV, PagedSpec, StandardKV, UnsupportedLayout
 from clients.vllm.jobs import LoadJob, StoreJob
 from clients.vllm.paged import BlockLayout, PagedKV, single_threaded
+from clients.vllm.placing import Scratch, place
 from clients.vllm.refusals import Refused
 from clients.vllm.rows import GqaRows, LatentRows
 from clients.vllm.staging import Staging
@@ -111,6 +112,7 @@ class WorkerSide:
         self._invalid: set[int] = set()
         self._pools: dict[str | None, Any] = {}  # tenant -> the sidecar's shared pool (or None)
         self._leased: Any = None  # the load's lease in flight
+        self._scratch = Scratch()  # shifted rows rotated on the host (placing.py)
         self._store_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sidecar-store")
         self._store_futures: list[Future] = []
         self._lock = threading.Lock()
@@ -201,35 +203,19 @@ class WorkerSide:
         pool = self._pool(job.tenant)
         got = self._lease(job, pool) if pool is not None else self._fetch(job)
         t1 = time.perf_counter()
-        # the fetched rows of each run of contiguous items (and, when this worker rotates, each
-        # item's delta), copied into the paged cache at once
-        runs: list[tuple[int, int, list[torch.Tensor], list[tuple[int, int]]]] = []
+        items = []
         for it, rows, delta, nbytes in got:
-            n = len(it)
             if rows is None:
                 self._fail_blocks(job, it.start, it.end)
                 continue
-            d = (n, delta)
-            if runs and runs[-1][1] == it.start:
-                runs[-1] = (runs[-1][0], it.end, runs[-1][2] + [rows], runs[-1][3] + [d])
-            else:
-                runs.append((it.start, it.end, [rows], [d]))
-            self.counters["loaded_tokens"] += n
+            items.append((it.start, it.end, rows, delta))
+            self.counters["loaded_tokens"] += len(it)
             self.counters["fetch_bytes"] += nbytes
-        block_ids = torch.tensor(job.block_ids, dtype=torch.int64)
-        staging = self.staging
         with single_threaded():
-            host = [torch.cat(parts, dim=self.rows.token_axis) if len(parts) > 1
-                    # rows rotate in place: never the pool's own bytes (on a GPU they are copied first)
-                    else parts[0].clone() if pool is not None and not staging.cuda and any(d for _, d in deltas)
-                    else parts[0]
-                    for _, _, parts, deltas in runs]
-            moved = staging.to_device(host)  # CUDA: one pinned, asynchronous copy for the job
-            with staging.context():
-                for (start, end, _, deltas), rows in zip(runs, moved):
-                    if any(d for _, d in deltas):
-                        rows = self._rotate(rows, deltas)
-                    self.paged.scatter(rows, block_ids, torch.arange(start, end, dtype=torch.int64))
+            self.counters["engine_rotated_tokens"] += place(
+                self.paged, self.rows, items, torch.tensor(job.block_ids, dtype=torch.int64), staging=self.staging,
+                rope=self.shape.rope, layout=self.shape.layout, scratch=self._scratch,
+                registered=pool is not None and pool.mapped is not None and pool.mapped.pinned)
         if pool is not None:
             self._end_lease(job, pool)
         self.counters["fetch_us"] += int((t1 - t0) * 1e6)
@@ -283,6 +269,7 @@ class WorkerSide:
         leased, self._leased = self._leased, None
         if leased is None:
             return
+        self.staging.synchronize()  # CUDA: the copies straight from the pool have read it
         if not pool.intact(leased):
             for it in job.items:
                 self._fail_blocks(job, it.start, it.end)
@@ -305,7 +292,10 @@ class WorkerSide:
             if pool is None:
                 return None  # the sidecar is unreachable now: asked again next time
             self._pools[tenant] = pool if pool.available else None
-        return self._pools[tenant]
+        pool = self._pools[tenant]
+        if pool is not None and self.staging.cuda and pool.mapped is not None:
+            pool.mapped.pin()  # once per mapping: host-to-device copies straight from the pool
+        return pool
 
     @property
     def engine_rotates(self) -> bool:
@@ -315,15 +305,6 @@ class WorkerSide:
         if mode == "auto":
             return self.paged is not None and getattr(self.paged, "device", torch.device("cpu")).type == "cuda"
         return mode == "engine"
-
-    def _rotate(self, rows: torch.Tensor, deltas: list[tuple[int, int]]) -> torch.Tensor:
-        """Rows (``self.rows``) with their keys re-positioned by each item's delta (``(tokens,
-        delta)`` per item, in order), where the rows are (the cache's device: ``staging``): one
-        kernel call for the run (a per-token delta tensor), fp32 math as the sidecar's rotation."""
-        per_token = torch.cat([torch.full((n,), d, dtype=torch.int64) for n, d in deltas]).to(rows.device)
-        rows = self.rows.rotate(rows, per_token, self.shape.rope)
-        self.counters["engine_rotated_tokens"] += int(sum(n for n, d in deltas if d))
-        return rows
 
     def take_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call (vLLM recomputes them)."""

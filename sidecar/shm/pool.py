@@ -143,6 +143,7 @@ class MappedPool:
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.tensor = torch.from_numpy(self.array)
         self._pinned = False
+        self._pin_refused = False
 
     def view(self, offset: int, length: int) -> torch.Tensor:
         """The pool's bytes ``[offset, offset + length)`` (uint8, in place), bounds-checked: an
@@ -156,12 +157,13 @@ class MappedPool:
         """Register the mapping with CUDA as pinned host memory (``cudaHostRegister``), so a run
         of rows goes host-to-device in one asynchronous copy straight from the pool; False when
         there is no CUDA device or the driver refused (copies then go through a pinned buffer)."""
-        if self._pinned:
-            return True
+        if self._pinned or self._pin_refused:
+            return self._pinned
         if not torch.cuda.is_available():
             return False
         err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.size, 0)
         self._pinned = int(getattr(err, "value", err)) == 0
+        self._pin_refused = not self._pinned  # not asked again for this mapping
         return self._pinned
 
     def unpin(self) -> None:
