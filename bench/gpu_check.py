@@ -23,7 +23,10 @@ from a plain checkout (``PYTHONPATH=.``): no LMCache, no gRPC server, no network
    (``sidecar.shm.pool.MappedPool``), registered as pinned host memory (``MappedPool.pin``,
    ``cudaHostRegister``); a Llama-3-8B-shaped chunk (16 MiB) copied host-to-device straight from
    the pool, asynchronously, against a ``copy_`` from a pinned tensor of the same bytes (goal
-   >= 0.8); the bytes on the device must equal the pool's.
+   >= 0.8); the bytes on the device must equal the pool's. Then the vLLM worker's load from
+   the pool (``clients.vllm.placing.place``, exact and shifted chunks into a standard cache):
+   straight from the registered pool and through the pinned buffer, both equal to the same
+   load on CPU (within bf16 rounding: the device rotates with Triton), and timed.
 
 Writes bench/results/gpu.json (device, versions, every figure); exits 1 if a correctness check
 fails (the figures are written first), 0 otherwise, goals met or not.
@@ -221,10 +224,66 @@ def check_pool(chunk_bytes: int = 16 << 20, chunks: int = 8, device: str = "cuda
             row.update(pool_h2d_gbps=round(chunk_bytes / t_pool / 1e9, 2),
                        pinned_h2d_gbps=round(chunk_bytes / t_pinned / 1e9, 2),
                        pool_over_pinned=round(t_pinned / t_pool, 3))
+        loads, loads_ok = check_pool_loads(pool, header, chunks * chunk_bytes, device)
+        row["worker_loads"] = loads
         pool.close()
-        return row, ok
+        return row, ok and loads_ok
     finally:
         owner.close()
+
+
+def check_pool_loads(pool, header: int, nbytes: int, device: str) -> tuple[dict, bool]:
+    """The vLLM worker's load from the pool (``clients.vllm.placing.place``): Llama-3-8B-shaped
+    chunks of 128 tokens viewed in the pool, every other one shifted, into a standard cache on
+    ``device``, straight from the registered pool and through the pinned buffer; both must
+    equal the same load into a CPU cache. On CUDA, timed (the pool path over the staged one)."""
+    from sidecar.identity import KVLayout
+
+    from clients.vllm.layouts import PagedSpec, StandardKV
+    from clients.vllm.placing import Scratch, place
+    from clients.vllm.rows import GqaRows
+    from clients.vllm.staging import Staging
+
+    tokens, block = 128, 16
+    layers = max(1, min(32, nbytes // (4 * tokens * 4096)))  # at least 4 chunks in the pool
+    layout, spec = KVLayout.gqa(num_layers=layers, num_kv_heads=8, head_dim=128), rope_specs()["neox_half_128"]
+    per = tokens * layout.bytes_per_token
+    n = min(nbytes // per, 8)
+    pool.view(header, n * per).view(torch.bfloat16).copy_(torch.randn(n * per // 2).to(torch.bfloat16))
+    items = [(i * tokens, (i + 1) * tokens, GqaRows.of(pool.view(header + i * per, per), layout, tokens), 37 * (i % 2))
+             for i in range(n)]
+    cspec = PagedSpec(mla=False, num_heads=8, block_size=block, head_size=128, head_size_v=128, dtype=torch.bfloat16)
+    nb = n * tokens // block
+
+    def load(dev: str, registered: bool) -> StandardKV:
+        cache = StandardKV([torch.zeros((nb, 8, block, 256), dtype=torch.bfloat16, device=dev) for _ in range(layers)],
+                           cspec)
+        staging = Staging(torch.device(dev))
+        table = torch.arange(nb, dtype=torch.int64).flip(0)
+        place(cache, GqaRows, items, table, staging=staging, rope=spec, layout=layout, scratch=Scratch(),
+              registered=registered)
+        staging.publish()
+        staging.synchronize()
+        return cache
+
+    ref = load("cpu", False)
+    positions = torch.arange(n * tokens)
+    want = ref.gather(torch.arange(nb).flip(0), positions)
+    row: dict = {"chunks": n, "layers": layers, "shifted": n // 2}
+    ok = True
+    for name, registered in (("pool", pool.pinned), ("staged", False)):
+        got = load(device, registered).gather(torch.arange(nb).flip(0).to(device), positions.to(device))
+        # device rotation (Triton) against the host's fused kernel: equal within bf16 rounding
+        close = bool(torch.allclose(got.float(), want.float(), atol=0.02, rtol=0.02)) if device == "cuda" \
+            else torch.equal(got, want)
+        row[f"{name}_correct"] = close
+        ok = ok and close
+    if device == "cuda":
+        t_pool = _timed(lambda: load(device, pool.pinned), reps=3)
+        t_staged = _timed(lambda: load(device, False), reps=3)
+        row.update(pool_load_ms=round(t_pool * 1e3, 2), staged_load_ms=round(t_staged * 1e3, 2),
+                   pool_over_staged=round(t_staged / t_pool, 3))
+    return row, ok
 
 
 def main(argv: list[str] | None = None) -> int:
