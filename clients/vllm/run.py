@@ -10,7 +10,9 @@ cache, so two runs are an engine restart. The tests (tests/real_engines) and the
      "gap_fill": true,                            # --scheduler-cls clients.vllm.scheduler.SidecarScheduler
      "prefix_caching": true, "block_size": 32, "max_model_len": 8192,
      "kv_cache_dtype": "auto",                    # vLLM's --kv-cache-dtype
-     "requests": [{"prompt_token_ids": [...], "max_tokens": 16, "params": {...kv_transfer_params}}]}
+     "tensor_parallel_size": 1,                   # > 1: one worker process per rank
+     "requests": [{"prompt_token_ids": [...], "max_tokens": 16, "params": {...kv_transfer_params},
+                   "logprobs": 5}]}              # the top-5 logprobs of each generated token
 
 A ``params`` value ``"@i"`` is replaced by the session id (or, for a key ending in ``version``,
 the session version) that request ``i``'s output returned (``sidecar_session: "open"``).
@@ -47,6 +49,8 @@ def build_llm(spec: dict[str, Any]):
         kw["kv_cache_dtype"] = spec["kv_cache_dtype"]
     if spec.get("load_format"):
         kw["load_format"] = spec["load_format"]
+    if int(spec.get("tensor_parallel_size", 1)) > 1:
+        kw["tensor_parallel_size"] = int(spec["tensor_parallel_size"])
     if spec.get("sidecar"):
         extra = {"sidecar": spec["sidecar"], **spec.get("extra", {})}
         kw["kv_transfer_config"] = KVTransferConfig(
@@ -99,7 +103,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 params[k] = sess.get("version" if k.endswith("version") else "id")
         extra_args = {"kv_transfer_params": params}
         sp = SamplingParams(max_tokens=int(req.get("max_tokens", 16)), temperature=0.0, extra_args=extra_args,
-                            ignore_eos=bool(req.get("ignore_eos", False)))
+                            ignore_eos=bool(req.get("ignore_eos", False)), logprobs=req.get("logprobs"))
         before = _cache_counters(llm)
         t1 = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": list(req["prompt_token_ids"])}], sp, use_tqdm=False)[0]
@@ -110,6 +114,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         results.append({
             "token_ids": list(out.outputs[0].token_ids),
             "text": out.outputs[0].text,
+            # per generated token: [[token id, logprob], ...] best first (with "logprobs")
+            "logprobs": [sorted(([int(t), float(lp.logprob)] for t, lp in step.items()), key=lambda x: -x[1])
+                         for step in (out.outputs[0].logprobs or [])],
             "sidecar": (out.kv_transfer_params or {}).get("sidecar"),
             "ttft_s": float(getattr(m, "first_token_latency", 0.0) or 0.0) if m is not None else None,
             "wall_s": wall,
