@@ -24,6 +24,9 @@ class LoadJob:
     tenant: str | None
     block_ids: list[int]
     items: list[LoadItem]
+    #: the Lookup found the items under another tensor-parallel cut of the model: that cut's
+    #: rank-0 shard (``LookupPlan.plan_shard``); None: this engine's own cut
+    plan_shard: str | None = None
 
 
 @dataclass(slots=True)

@@ -202,7 +202,8 @@ class SchedulerSide:
         if not st.pending_load or st.run is None:
             return
         st.pending_load = False
-        jobs.loads.append(LoadJob(st.req_id, st.tenant, list(st.block_ids), list(st.run.items)))
+        jobs.loads.append(LoadJob(st.req_id, st.tenant, list(st.block_ids), list(st.run.items),
+                                  st.plan.plan_shard if st.plan is not None else None))
         self.counters["claimed_tokens"] += st.loaded
         self.counters["load_jobs"] += 1
 

@@ -225,6 +225,13 @@ class EngineShape:
     rope_dim: int = 0
     #: the scheduler side's identity (rank 0 of stage 0), kept by ``for_rank``
     planned: CacheIdentity | None = None
+    #: the model's KV heads over all ranks (0: ``num_kv_heads x tp_size``); when tensor
+    #: parallelism exceeds them vLLM replicates heads, and chunks serve only their own cut
+    total_kv_heads: int = 0
+
+    @property
+    def model_kv_heads(self) -> int:
+        return self.total_kv_heads or self.num_kv_heads * self.tp_size
 
     def for_rank(self, rank: int, stage: int = 0, num_layers: int | None = None) -> "EngineShape":
         """This shape as tensor-parallel rank ``rank`` of pipeline stage ``stage`` holds it
@@ -356,7 +363,7 @@ def engine_shape(vllm_config: Any, settings: Settings) -> EngineShape:
         shard=shard_name(0, 1 if mla else tp, 0, pp),
     )
     return EngineShape(num_layers, kv_heads, head, block, dtype, layout, rope, identity, tp_size=tp, pp_size=pp,
-                       mla=mla, rope_dim=rope_dim)
+                       mla=mla, rope_dim=rope_dim, total_kv_heads=1 if mla else int(mc.get_total_num_kv_heads()))
 
 
 def describe(shape: EngineShape) -> str:

@@ -47,6 +47,7 @@ from clients.vllm.jobs import LoadJob, StoreJob
 from clients.vllm.paged import BlockLayout, PagedKV, single_threaded
 from clients.vllm.placing import Scratch, place
 from clients.vllm.refusals import Refused
+from clients.vllm.resharding import fetch_across
 from clients.vllm.rows import GqaRows, LatentRows
 from clients.vllm.staging import Staging
 
@@ -200,8 +201,15 @@ class WorkerSide:
                 self._fail_blocks(job, it.start, it.end)
             return
         t0 = time.perf_counter()
-        pool = self._pool(job.tenant)
-        got = self._lease(job, pool) if pool is not None else self._fetch(job)
+        across = job.plan_shard is not None and job.plan_shard != (self.shape.planned or self.shape.identity).shard
+        pool = None if across else self._pool(job.tenant)
+        if across:  # another tensor-parallel cut stored the chunks (resharding.py)
+            got = fetch_across(job, self.shape, lambda fn: self.link.call("fetch", job.tenant, fn),
+                               raw=self.engine_rotates)
+            got = got if got is not None else [(it, None, 0, 0) for it in job.items]
+            self.counters["resharded_loads"] += 1
+        else:
+            got = self._lease(job, pool) if pool is not None else self._fetch(job)
         t1 = time.perf_counter()
         items = []
         for it, rows, delta, nbytes in got:

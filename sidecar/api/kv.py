@@ -212,6 +212,8 @@ def lookup_plan_to_wire(plan: LookupPlan) -> pb.LookupPlan:
     ms.prefill_tokens = s.prefill_tokens
     ms.chunks_total = s.chunks_total
     ms.chunks_hit = s.chunks_hit
+    if plan.plan_shard is not None:
+        msg.plan_shard = plan.plan_shard
     return msg
 
 
@@ -231,6 +233,7 @@ def lookup_plan_from_wire(msg: pb.LookupPlan) -> LookupPlan:
         ),
         dry_run=msg.dry_run,
         chunk_bounds=np.frombuffer(msg.chunk_bounds, dtype="<u4"),
+        plan_shard=msg.plan_shard if msg.HasField("plan_shard") else None,
     )
 
 
@@ -393,9 +396,11 @@ def fetch_request(
     items: Sequence[tuple[int, int] | FetchSpec],
     raw: bool = False,
     plan_identity: CacheIdentity | None = None,
+    heads: tuple[int, int] | None = None,
 ) -> pb.FetchRequest:
     """A ``FetchRequest`` for ``items`` in order (no shared-memory buffer named: the SDK names
-    one per attempt); ``plan_identity``: the shard of ``identity`` the items were planned under."""
+    one per attempt); ``plan_identity``: the shard of ``identity`` the items were planned under;
+    ``heads``: ``(start, count)``, only those KV heads of each payload."""
     req = pb.FetchRequest(
         identity=identity_to_wire(identity), layout=layout_to_wire(layout), raw=raw,
         items=[fetch_item(it) for it in items],
@@ -404,6 +409,8 @@ def fetch_request(
         req.rope.CopyFrom(rope_to_wire(rope))
     if plan_identity is not None:
         req.plan_identity.CopyFrom(identity_to_wire(plan_identity))
+    if heads is not None:
+        req.heads.start, req.heads.count = heads
     return req
 
 

@@ -72,6 +72,7 @@ from sidecar.tiers.store_pool import Slot
 from sidecar.dataplane.fetch import FetchPath, check_layout
 from sidecar.dataplane.held import HeldPath
 from sidecar.dataplane.intake import StoreIntake, check_payloads, chunk_sizes
+from sidecar.dataplane.cuts import CutFamilies
 from sidecar.dataplane.pool import PoolPath
 from sidecar.dataplane.records import DataPlaneCounters, StoreOutcome, decode_aux, encode_aux
 
@@ -111,6 +112,8 @@ class DataPlane(FetchPath, HeldPath):
         #: Fetch by lease and Store by reservation through the shared pool (``dataplane.pool``)
         self.pool = PoolPath(self, lease_ttl_s=pool_lease_ttl_s, reservation_ttl_s=pool_reservation_ttl_s,
                              max_leases=pool_max_leases)
+        #: the tensor-parallel cuts of each model that have stored (``dataplane.cuts``)
+        self.cuts = CutFamilies()
 
     # ------------------------------------------------------------------ consistency
 
@@ -238,6 +241,7 @@ class DataPlane(FetchPath, HeldPath):
         layout.bytes_per_token`` bytes in all. Raises FailedPrecondition if ``identity`` does
         not name ``layout``."""
         check_layout(identity, layout)
+        self.cuts.saw(identity)  # a cut of its model that Stores (``dataplane.cuts``)
         return self.index.entries(tokens, data, identity, scope, register_from=register_from, copies=True)
 
     def store_intake(

@@ -118,6 +118,9 @@ class LookupPlan:
     hit_segment_tokens: list[int] = field(default_factory=list)
     #: Server side only: of the shifted tokens, those found through seeds (``registry.seeds``).
     seed_tokens: int = 0
+    #: The hits are chunks another tensor-parallel cut of the model stored: that cut's rank-0
+    #: shard (``sidecar.dataplane.cuts``); None: the Lookup identity's own chunks.
+    plan_shard: str | None = None
 
     @classmethod
     def from_flat(cls, flat: list[int], **kwargs) -> "LookupPlan":

@@ -57,6 +57,7 @@ def fetch_call(
     rope: RopeSpec | None = None,
     raw: bool = False,
     plan_identity: CacheIdentity | None = None,
+    heads: tuple[int, int] | None = None,
 ) -> FrameCall:
     """Fetch chunk KV: ``items`` are ``(chunk_hash, target_pos)`` with ``target_pos`` the
     position of the chunk's first token in the new sequence (``seg.start -
@@ -65,9 +66,11 @@ def fetch_call(
     (``FetchedKV``) come in item order; misses have ``ok=False``. With ``raw`` the payloads
     stay at their source position. ``plan_identity``: the items' hashes come from a Lookup under
     this other shard of ``identity`` (a tensor-parallel rank fetching its own heads of the chunks
-    rank 0 planned); each is served from the same tokens' chunk under ``identity``. Idempotent
-    (retried when transient)."""
-    return FrameCall(fetch_request(identity, layout, rope, items, raw, plan_identity), items,
+    rank 0 planned); each is served from the same tokens' chunk under ``identity``. ``heads``:
+    ``(start, count)``, only those KV heads of each payload (a worker of another tensor-parallel
+    cut fetching its share: the payloads are ``dataplane.cuts.heads_layout(layout, count)``).
+    Idempotent (retried when transient)."""
+    return FrameCall(fetch_request(identity, layout, rope, items, raw, plan_identity, heads), items,
                      fetch_need(items, layout))
 
 

@@ -12,6 +12,7 @@ import asyncio
 import functools
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -33,6 +34,7 @@ from sidecar.api.kv import (
 from sidecar.claims import ClaimLedger
 from sidecar.config import SidecarConfig
 from sidecar.dataplane import DataPlane
+from sidecar.dataplane.cuts import check_heads, slice_heads
 from sidecar.dataplane.intake import StoreIntake, check_register_from
 from sidecar.dataplane.shards import check_shards, translate
 from sidecar.dataplane.spans import SpanResult, regroup
@@ -41,7 +43,7 @@ from sidecar.dataplane.spans import expand as expand_spans
 from sidecar.errors import FailedPrecondition, InvalidArgument
 from sidecar.identity import SHARED_SCOPE, CacheIdentity, KVLayout
 from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
-from sidecar.registry.lookup_plan import AdmissionPolicy, FetchSpec
+from sidecar.registry.lookup_plan import AdmissionPolicy, FetchSpec, LookupPlan
 from sidecar.registry.shared import SharedRegistry
 from sidecar.server.edge import Edge, rpc, streaming
 from sidecar.shm import ShmWriter
@@ -100,12 +102,33 @@ class KVHandlers:
         shared = self.shared
         chunks = await shared.fill(self.index, query) if shared is not None else None
         plan = self.index.lookup(query, chunks)
+        plan = await self._across_cuts(query, plan)
         msg = lookup_plan_to_wire(plan)
         self._count_lookup(query, plan.summary, plan.seed_tokens)
         m = self.metrics
         m.lookup_hit_segment_tokens.observe_many(plan.hit_segment_tokens)
         m.lookup_seconds.observe(time.perf_counter() - t0)
         return msg
+
+    async def _across_cuts(self, query: LookupQuery, plan: LookupPlan) -> LookupPlan:
+        """``plan``, or the plan under another tensor-parallel cut of the model if it reuses
+        more, naming that cut (``LookupPlan.plan_shard``, ``dataplane.cuts``)."""
+        others = self.dataplane.cuts.others(query.identity)
+        if not others or plan.summary.prefill_tokens == 0:
+            return plan
+
+        def reused(p: LookupPlan) -> int:
+            return p.summary.exact_tokens + p.summary.shifted_tokens
+
+        best = plan
+        for lead in others:
+            q = replace(query, identity=lead)
+            chunks = await self.shared.fill(self.index, q) if self.shared is not None else None
+            alt = self.index.lookup(q, chunks)
+            if reused(alt) > reused(best):
+                alt.plan_shard = lead.shard
+                best = alt
+        return best
 
     def lookup_query(self, request: wire.LookupRequest, tenant: str) -> LookupQuery:
         """The validated ``LookupQuery`` of ``request`` (INVALID_ARGUMENT naming the field)."""
@@ -360,6 +383,9 @@ class KVHandlers:
             if not request.HasField("layout"):
                 raise InvalidArgument("layout: required")
             layout = layout_from_wire(request.layout)
+            heads = (request.heads.start, request.heads.count) if request.HasField("heads") else None
+            if heads is not None:
+                check_heads(layout, *heads)
             rope = rope_from_wire(request.rope) if request.HasField("rope") else None
             specs = self.fetch_items(request, identity, tenant)
             if any(isinstance(it, FetchSpec) for it in specs):
@@ -369,7 +395,7 @@ class KVHandlers:
                     raise InvalidArgument(f"items: {len(items)} chunks exceed max_fetch_items {self.config.max_fetch_items}")
                 results = regroup(self.dataplane.fetch_stream(
                     tenant, identity, layout, rope, items, request.raw, self.config.max_fetch_bytes
-                ), groups, layout, as_pieces=shm is not None)  # into shared memory: gathered, not joined
+                ), groups, layout, as_pieces=shm is not None and heads is None)  # into shared memory: gathered, not joined
             else:
                 items = specs
                 # Item by item (the data plane reads in bounded windows, duplicates once); every
@@ -398,6 +424,8 @@ class KVHandlers:
                     else:
                         data = memoryview(r.payload.numpy())
                         ntok, src = r.entry.num_tokens, r.entry.source_pos
+                    if heads is not None:  # only the caller's share of the heads crosses
+                        data = memoryview(slice_heads(r.payload, layout, ntok, *heads).numpy())
                     nbytes += len(data) if isinstance(data, memoryview) else sum(len(p) for p in data)
                     meta = wire.FetchResponse(
                         index=r.index, status=wire.CHUNK_STATUS_OK, num_tokens=ntok, source_pos=src,

@@ -52,6 +52,8 @@ class PoolHandlers:
         f = request.fetch
         identity = self.edge.identities.get(f.identity, f.HasField("identity"))
         layout = _layout(f, "fetch.layout")
+        if f.HasField("heads"):
+            raise InvalidArgument("fetch.heads: a lease answers whole chunks; read your heads from their slots")
         items = self.kv.fetch_items(f, identity, tenant)
         t0 = time.perf_counter()
         got = await self.pool.lease_fetch(tenant, identity, layout, items, self.kv.config.max_fetch_bytes)

@@ -216,16 +216,18 @@ class LookupSummary(_message.Message):
     def __init__(self, total_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., exact_tokens: _Optional[int] = ..., shifted_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., chunks_total: _Optional[int] = ..., chunks_hit: _Optional[int] = ...) -> None: ...
 
 class LookupPlan(_message.Message):
-    __slots__ = ("segments", "summary", "dry_run", "chunk_bounds")
+    __slots__ = ("segments", "summary", "dry_run", "chunk_bounds", "plan_shard")
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_SHARD_FIELD_NUMBER: _ClassVar[int]
     segments: bytes
     summary: LookupSummary
     dry_run: bool
     chunk_bounds: bytes
-    def __init__(self, segments: _Optional[bytes] = ..., summary: _Optional[_Union[LookupSummary, _Mapping]] = ..., dry_run: bool = ..., chunk_bounds: _Optional[bytes] = ...) -> None: ...
+    plan_shard: str
+    def __init__(self, segments: _Optional[bytes] = ..., summary: _Optional[_Union[LookupSummary, _Mapping]] = ..., dry_run: bool = ..., chunk_bounds: _Optional[bytes] = ..., plan_shard: _Optional[str] = ...) -> None: ...
 
 class StoreHeader(_message.Message):
     __slots__ = ("tokens", "identity", "register_from", "shared", "layout")
@@ -300,7 +302,7 @@ class FetchItem(_message.Message):
     def __init__(self, chunk_hash: _Optional[int] = ..., target_pos: _Optional[int] = ..., num_tokens: _Optional[int] = ..., row_offset: _Optional[int] = ..., next_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("identity", "layout", "rope", "items", "raw", "shm", "plan_identity")
+    __slots__ = ("identity", "layout", "rope", "items", "raw", "shm", "plan_identity", "heads")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ROPE_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +310,7 @@ class FetchRequest(_message.Message):
     RAW_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     PLAN_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
     identity: CacheIdentity
     layout: KVLayout
     rope: RopeParams
@@ -315,7 +318,16 @@ class FetchRequest(_message.Message):
     raw: bool
     shm: SharedMemory
     plan_identity: CacheIdentity
-    def __init__(self, identity: _Optional[_Union[CacheIdentity, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., rope: _Optional[_Union[RopeParams, _Mapping]] = ..., items: _Optional[_Iterable[_Union[FetchItem, _Mapping]]] = ..., raw: bool = ..., shm: _Optional[_Union[SharedMemory, _Mapping]] = ..., plan_identity: _Optional[_Union[CacheIdentity, _Mapping]] = ...) -> None: ...
+    heads: HeadRange
+    def __init__(self, identity: _Optional[_Union[CacheIdentity, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., rope: _Optional[_Union[RopeParams, _Mapping]] = ..., items: _Optional[_Iterable[_Union[FetchItem, _Mapping]]] = ..., raw: bool = ..., shm: _Optional[_Union[SharedMemory, _Mapping]] = ..., plan_identity: _Optional[_Union[CacheIdentity, _Mapping]] = ..., heads: _Optional[_Union[HeadRange, _Mapping]] = ...) -> None: ...
+
+class HeadRange(_message.Message):
+    __slots__ = ("start", "count")
+    START_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    count: int
+    def __init__(self, start: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class SharedMemory(_message.Message):
     __slots__ = ("name", "token")

@@ -1,0 +1,103 @@
+"""Serving a chunk stored under one tensor-parallel cut of a model to workers of another.
+
+A tensor-parallel rank holds its own KV heads and Stores them as its own shard
+(``sidecar.cuts``), so a chunk stored at one TP size is keyed apart from the same tokens at any
+other. A chunk's KV per head is the same whatever the cut, so:
+
+* the sidecar remembers, per model (every identity field but ``kv_layout`` and the TP part of
+  ``shard``), the rank-0 identity of each TP size that has stored (``CutFamilies``);
+* a Lookup under one cut that finds more under another cut's rank 0 answers that plan and names
+  its shard (``LookupPlan.plan_shard``);
+* a worker of any cut fetches such a plan from the ranks of the stored cut that hold its heads
+  (``sidecar.cuts.covering``): each Fetch names the source rank's identity, the plan's identity
+  and the head range it needs (``FetchRequest.heads``), and the sidecar answers only those
+  heads (``slice_heads``), so a worker moves exactly its share.
+
+Cuts differ only in how heads are split: the pipeline part of the shard, and every other
+identity field, must be equal. A model whose KV heads do not divide by the TP size (vLLM then
+replicates heads across ranks) is served per shard only.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import torch
+
+from sidecar.cuts import Cut, cut_of, heads_layout
+from sidecar.errors import InvalidArgument
+from sidecar.identity import CacheIdentity, KVLayout
+from sidecar.tiers.codec import TORCH_DTYPES
+
+#: the identity fields two cuts of one model share (``kv_layout`` holds the rank's heads)
+_MODEL_FIELDS = ("model_id", "weights_hash", "tokenizer_hash", "rope_fingerprint", "block_size", "namespace")
+
+#: models remembered at most; the least recently stored go first
+MAX_MODELS = 1024
+
+
+def model_key(identity: CacheIdentity, cut: Cut) -> tuple:
+    return tuple(getattr(identity, f) for f in _MODEL_FIELDS) + (cut.rest,)
+
+
+class CutFamilies:
+    """Per model, the rank-0 identity of every TP size that has stored (thread-safe)."""
+
+    def __init__(self, max_models: int = MAX_MODELS) -> None:
+        self._by_model: dict[tuple, dict[int, CacheIdentity]] = {}
+        self._max = max_models
+        self._lock = threading.Lock()
+
+    def saw(self, identity: CacheIdentity) -> None:
+        """``identity`` stored a chunk."""
+        cut = cut_of(identity.shard)
+        if cut is None:
+            return
+        lead = identity if cut.rank == 0 else replace(identity, shard=cut.shard(0))
+        key = model_key(identity, cut)
+        with self._lock:
+            sizes = self._by_model.pop(key, None) or {}
+            sizes[cut.size] = lead
+            self._by_model[key] = sizes  # most recent last
+            while len(self._by_model) > self._max:
+                self._by_model.pop(next(iter(self._by_model)))
+
+    def others(self, identity: CacheIdentity) -> list[CacheIdentity]:
+        """The rank-0 identities of the other TP sizes of ``identity``'s model, smallest first."""
+        cut = cut_of(identity.shard)
+        if cut is None:
+            return []
+        with self._lock:
+            sizes = dict(self._by_model.get(model_key(identity, cut), {}))
+        return [sizes[n] for n in sorted(sizes) if n != cut.size]
+
+
+def check_heads(layout: KVLayout, start: int, count: int) -> None:
+    """``FetchRequest.heads`` against the fetched layout (INVALID_ARGUMENT naming the field)."""
+    heads = {p.shape[0] if len(p.shape) == 2 else -1 for p in layout.parts}
+    if len(heads) != 1 or -1 in heads:
+        raise InvalidArgument("heads: the layout has no KV head axis shared by its parts (an MLA latent is not "
+                              "split by heads)")
+    h = heads.pop()
+    if count <= 0 or start + count > h:
+        raise InvalidArgument(f"heads: [{start}, {start + count}) is not inside the layout's {h} KV heads")
+
+
+def slice_heads(payload: torch.Tensor, layout: KVLayout, num_tokens: int, start: int, count: int) -> torch.Tensor:
+    """KV heads ``[start, start + count)`` of a payload (1-D uint8, ``layout`` order: per layer,
+    each part ``[num_tokens, heads, ...]``) as a new payload of ``heads_layout(layout, count)``:
+    one strided copy of exactly those bytes."""
+    out_layout = heads_layout(layout, count)
+    out = torch.empty(num_tokens * out_layout.bytes_per_token, dtype=torch.uint8)
+    src_at = dst_at = 0
+    src = payload.view(layout.num_layers, -1)
+    dst = out.view(layout.num_layers, -1)
+    for p, q in zip(layout.parts, out_layout.parts):
+        dt = TORCH_DTYPES[p.dtype]
+        n_src, n_dst = num_tokens * p.bytes_per_token, num_tokens * q.bytes_per_token  # per layer
+        s = src[:, src_at:src_at + n_src].view(dt).view(layout.num_layers, num_tokens, *p.shape)
+        d = dst[:, dst_at:dst_at + n_dst].view(dt).view(layout.num_layers, num_tokens, *q.shape)
+        d.copy_(s[:, :, start:start + count])
+        src_at, dst_at = src_at + n_src, dst_at + n_dst
+    return out
