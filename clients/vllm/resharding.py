@@ -26,16 +26,21 @@ from sidecar.cuts import covering, cut_of, heads_layout
 from clients.vllm.rows import GqaRows
 
 if TYPE_CHECKING:
+    from sidecar.sdk.pool import PoolClient
+
     from clients.vllm.jobs import LoadJob
+    from clients.vllm.placing import Scratch
     from clients.vllm.settings import EngineShape
 
 
-def fetch_across(job: "LoadJob", shape: "EngineShape", call: Any, *, raw: bool
-                 ) -> list[tuple[Any, torch.Tensor | None, int, int]] | None:
+def fetch_across(job: "LoadJob", shape: "EngineShape", call: Any, scratch: "Scratch", *, raw: bool,
+                 pool: "PoolClient | None" = None) -> list[tuple[Any, torch.Tensor | None, int, int]] | None:
     """Each item's rows (None: a miss), the delta still to apply here, and the bytes fetched,
     from the cut ``job.plan_shard`` names; None when this worker cannot read that cut (then
-    every item is a miss). ``call(fn)``: the worker's fail-soft Fetch (``fn(client)``, None when
-    the sidecar failed)."""
+    every item is a miss). ``call(fn)``: the worker's fail-soft call (``fn(client)``, None when
+    the sidecar failed). With ``pool`` (the sidecar's shared pool, mapped), each source rank's
+    chunks are leased and only this worker's heads are read from the pool; else fetched
+    (``FetchRequest.heads``). The rows are views of ``scratch`` (valid until its next use)."""
     own, src = cut_of(shape.identity.shard), cut_of(job.plan_shard or "")
     if own is None or src is None or shape.mla or own.rest != src.rest:
         return None
@@ -45,30 +50,79 @@ def fetch_across(job: "LoadJob", shape: "EngineShape", call: Any, *, raw: bool
     src_layout = heads_layout(shape.layout, shape.model_kv_heads // src.size)
     plan = replace(shape.identity, shard=src.shard(0), kv_layout=src_layout.fingerprint())
     items = job.items
+    per_token = shape.layout.bytes_per_token
+    buf = scratch.take(sum(len(it) for it in items) * per_token)
+    at = [0]
+    for it in items:
+        at.append(at[-1] + len(it) * per_token)
     rows: list[torch.Tensor | None] = [None] * len(items)
     deltas: list[int | None] = [None] * len(items)
     ok = [True] * len(items)
     moved = [0] * len(items)
     for rank, first, count, here in parts:
-        ident = replace(plan, shard=src.shard(rank))
-        got = call(lambda c, ident=ident, first=first, count=count: c.fetch(
-            [it.fetch_item for it in items], identity=ident, layout=src_layout, rope=shape.rope, raw=raw,
-            plan_identity=plan, heads=(first, count)))
-        share = heads_layout(src_layout, count)
-        for i, it in enumerate(items):
-            f = got[i] if got is not None else None
-            n = len(it)
-            if not ok[i] or f is None or not f.ok or f.num_tokens < it.row + n or not (f.rotated or f.delta == 0 or raw):
+        source = replace(plan, shard=src.shard(rank))
+        read = _leased if pool is not None else _fetched
+        answers, finish = read(call, pool, items, source, plan, src_layout, shape, first, count, raw)
+        for i, got in enumerate(answers):
+            if not ok[i] or got is None:
                 ok[i] = False
                 continue
-            delta = 0 if f.rotated else f.delta
+            part, delta, nbytes = got
             if deltas[i] is None:
                 deltas[i] = delta
-                rows[i] = torch.empty((shape.num_layers, 2, n, shape.num_kv_heads, shape.head_size),
-                                      dtype=GqaRows.of(f.data, share, f.num_tokens).dtype)
+                rows[i] = GqaRows.of(buf[at[i]:at[i + 1]], shape.layout, len(items[i]))
             elif deltas[i] != delta:  # the shards were stored at other positions: not one chunk
                 ok[i] = False
                 continue
-            rows[i][:, :, :, here:here + count] = GqaRows.of(f.data, share, f.num_tokens).narrow(2, it.row, n)
-            moved[i] += len(f.data)
+            rows[i][:, :, :, here:here + count] = part
+            moved[i] += nbytes
+        if not finish():  # a leased chunk's bytes changed during the join (its lease expired)
+            ok = [False] * len(items)
     return [(it, rows[i] if ok[i] else None, deltas[i] or 0, moved[i]) for i, it in enumerate(items)]
+
+
+def _fetched(call, pool, items, source, plan, src_layout, shape, first, count, raw):
+    """Per item: this worker's heads of the source rank's rows (a Fetch of only those), the
+    delta still to apply, the bytes received (None for a miss); and ``finish()``, True."""
+    heads = None if count == src_layout.parts[0].shape[0] else (first, count)  # a whole shard: as stored
+    got = call(lambda c: c.fetch([it.fetch_item for it in items], identity=source, layout=src_layout,
+                                 rope=shape.rope, raw=raw, plan_identity=plan, heads=heads))
+    share = heads_layout(src_layout, count)
+    out = []
+    for i, it in enumerate(items):
+        f = got[i] if got is not None else None
+        n = len(it)
+        if f is None or not f.ok or f.num_tokens < it.row + n or not (f.rotated or f.delta == 0 or raw):
+            out.append(None)
+        else:
+            out.append((GqaRows.of(f.data, share, f.num_tokens).narrow(2, it.row, n), 0 if f.rotated else f.delta,
+                        len(f.data)))
+    return out, lambda: True
+
+
+def _leased(call, pool, items, source, plan, src_layout, shape, first, count, raw):
+    """``_fetched`` through the shared pool: the source rank's chunks leased and this worker's
+    heads viewed in place (the caller's join copies them); ``finish()`` ends the lease and says
+    whether every chunk still held its leased bytes."""
+    leased = call(lambda c: pool.lease([it.fetch_item for it in items], identity=source, layout=src_layout,
+                                       plan_identity=plan))
+    if leased is None:
+        return [None] * len(items), lambda: True
+    share = heads_layout(src_layout, count).bytes_per_token
+    out = []
+    for i, it in enumerate(items):
+        li = leased.items[i]
+        n = len(it)
+        if not li.ok or li.num_tokens < it.row + n:
+            out.append(None)
+            continue
+        c = li.chunks[0]  # a plain item is one chunk
+        view = GqaRows.of(pool.chunk_view(c), src_layout, c.num_tokens).narrow(2, it.row, n)
+        out.append((view[:, :, :, first:first + count], c.delta, c.num_tokens * share))
+
+    def finish() -> bool:
+        intact = pool.intact(leased)
+        call(lambda _c: pool.release(leased))
+        return intact
+
+    return out, finish

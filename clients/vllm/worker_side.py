@@ -114,6 +114,7 @@ class WorkerSide:
         self._pools: dict[str | None, Any] = {}  # tenant -> the sidecar's shared pool (or None)
         self._leased: Any = None  # the load's lease in flight
         self._scratch = Scratch()  # shifted rows rotated on the host (placing.py)
+        self._reshard_scratch = Scratch()  # rows joined from another cut's shards (resharding.py)
         self._store_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sidecar-store")
         self._store_futures: list[Future] = []
         self._lock = threading.Lock()
@@ -202,10 +203,11 @@ class WorkerSide:
             return
         t0 = time.perf_counter()
         across = job.plan_shard is not None and job.plan_shard != (self.shape.planned or self.shape.identity).shard
-        pool = None if across else self._pool(job.tenant)
+        pool = self._pool(job.tenant)
         if across:  # another tensor-parallel cut stored the chunks (resharding.py)
             got = fetch_across(job, self.shape, lambda fn: self.link.call("fetch", job.tenant, fn),
-                               raw=self.engine_rotates)
+                               self._reshard_scratch, raw=self.engine_rotates or pool is not None, pool=pool)
+            pool = None  # its leases ended with the join
             got = got if got is not None else [(it, None, 0, 0) for it in job.items]
             self.counters["resharded_loads"] += 1
         else:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+import torch
 
 from sidecar import __version__
 import sidecar.api.kv as wire
@@ -34,7 +35,7 @@ from sidecar.api.kv import (
 from sidecar.claims import ClaimLedger
 from sidecar.config import SidecarConfig
 from sidecar.dataplane import DataPlane
-from sidecar.dataplane.cuts import check_heads, slice_heads
+from sidecar.dataplane.cuts import SliceBuffers, check_heads, slice_heads
 from sidecar.dataplane.intake import StoreIntake, check_register_from
 from sidecar.dataplane.shards import check_shards, translate
 from sidecar.dataplane.spans import SpanResult, regroup
@@ -87,6 +88,7 @@ class KVHandlers:
         self.tenant_totals: OrderedDict[str, dict[str, int]] = OrderedDict()
         #: committed Stores still writing (they finish even when their call was cancelled)
         self._commits: set[asyncio.Task] = set()
+        self._slices = SliceBuffers()  # Fetch.heads answers
         #: Store streams whose commit arrived, waiting for their end (the client's half-close)
         self.awaiting_close = 0
         #: told the identity of every Store that stored KV (routing names it in the heartbeat)
@@ -384,8 +386,8 @@ class KVHandlers:
                 raise InvalidArgument("layout: required")
             layout = layout_from_wire(request.layout)
             heads = (request.heads.start, request.heads.count) if request.HasField("heads") else None
-            if heads is not None:
-                check_heads(layout, *heads)
+            if heads is not None and check_heads(layout, *heads):
+                heads = None  # every head: the payloads as stored
             rope = rope_from_wire(request.rope) if request.HasField("rope") else None
             specs = self.fetch_items(request, identity, tenant)
             if any(isinstance(it, FetchSpec) for it in specs):
@@ -411,6 +413,9 @@ class KVHandlers:
                 raise  # cancelled
             await self.edge.abort("Fetch", exc, context)
         nbytes = 0
+        # the head slices' buffer (``FetchRequest.heads``), reused item after item and call
+        # after call: the framer copies each answer before the next
+        sliced = self._slices.take() if heads is not None else None
         try:
             framer = Framer(self.config.fetch_part_bytes, shm)
             while r is not None:
@@ -425,7 +430,10 @@ class KVHandlers:
                         data = memoryview(r.payload.numpy())
                         ntok, src = r.entry.num_tokens, r.entry.source_pos
                     if heads is not None:  # only the caller's share of the heads crosses
-                        data = memoryview(slice_heads(r.payload, layout, ntok, *heads).numpy())
+                        need = r.payload.numel()  # more than the slice: one buffer for every item
+                        if sliced is None or sliced.numel() < need:
+                            sliced = torch.empty(need, dtype=torch.uint8)
+                        data = memoryview(slice_heads(r.payload, layout, ntok, *heads, out=sliced).numpy())
                     nbytes += len(data) if isinstance(data, memoryview) else sum(len(p) for p in data)
                     meta = wire.FetchResponse(
                         index=r.index, status=wire.CHUNK_STATUS_OK, num_tokens=ntok, source_pos=src,
@@ -446,6 +454,8 @@ class KVHandlers:
         finally:
             await results.aclose()
             self.edge.close_shm(shm)
+            if sliced is not None:
+                self._slices.give(sliced)
         m = self.metrics
         m.fetch_bytes.inc(nbytes)
         m.fetch_seconds.observe(time.perf_counter() - t0)

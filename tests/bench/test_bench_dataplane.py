@@ -18,8 +18,10 @@ def test_quick_run_measures_every_row():
     assert size["tokens"] == 1024 and size["chunks"] == 8
     assert size["copy_"]["gbps"] > 0
     assert set(size["fetch"]) == {"exact", "shifted"}
+    assert set(size["vllm_load"]) == {"cpu_backend", "standard"}  # each load checked against read_into
     rows = [*(size["fetch"][k][p] for k in ("exact", "shifted") for p in dataplane.FETCH_PATHS),
-            *(size["store"][p] for p in dataplane.STORE_PATHS)]
+            *(size["store"][p] for p in dataplane.STORE_PATHS),
+            *(size["vllm_load"][c][k] for c in ("cpu_backend", "standard") for k in ("exact", "shifted"))]
     for r in rows:
         assert r["ms"] > 0 and r["gbps"] > 0 and r["x_copy"] > 0
         assert r["x_break_even"] == pytest.approx(r["gbps"] / dataplane.BREAK_EVEN_GBPS)
