@@ -52,6 +52,11 @@ errors reports its blocks for recompute (the connector switches ``kv_load_failur
 counted (``stats()``), and the sidecar is skipped for ``retry_after_s`` after an error
 (``sidecar.sdk.kit.FailSoftLink``).
 
+Stats: ``stats()`` is this process's side's counters since start-up; vLLM's
+``get_kv_connector_stats()`` gets what they gained since its last call, a
+``stats.SidecarConnectorStats`` (vLLM's ``KVConnectorStats``), summed over the workers and the
+scheduler side and logged by vLLM's stat logger.
+
 Per-request ``kv_transfer_params`` (``SamplingParams(extra_args={"kv_transfer_params": {...}})``):
 ``sidecar_tenant`` (the tenant header for this request's calls), ``sidecar_directives`` /
 ``sidecar_session`` (Splice, see ``directives.py``); the finished request's output carries
@@ -87,6 +92,7 @@ from clients.vllm.settings import (
     sidecar_link,
     vllm_version_note,
 )
+from clients.vllm.stats import SidecarConnectorStats, StatsInterval, snapshot
 
 # The role classes (and through them the SDK, the kit and numba) are imported when a role is
 # built, not here: vLLM imports this module while validating its config, before a worker's
@@ -156,6 +162,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("sidecar connector: %s", note)
         self.side = "scheduler" if role is KVConnectorRole.SCHEDULER else "worker"
         self.counters: Counter[str] = Counter()
+        self._interval = StatsInterval()  # what get_kv_connector_stats reported last
         self.disabled = ""
         self.link: FailSoftLink | None = None
         self.scheduler_side: SchedulerSide | None = None
@@ -203,11 +210,19 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             self.link = None
 
     def stats(self) -> dict[str, int]:
-        """Counters of this process's side (tokens, calls, errors; ``disabled``: 1 when refused)."""
-        out = dict(self.counters)
-        if self.link is not None:
-            out.update({f"error:{k}": v for k, v in self.link.errors.items()})
-        return out
+        """Counters of this process's side since it started (tokens, calls, errors; ``disabled``:
+        1 when refused)."""
+        return snapshot(self.counters, self.link.errors if self.link is not None else None)
+
+    def get_kv_connector_stats(self) -> SidecarConnectorStats | None:
+        """What ``stats()`` gained since the last call (None: nothing), for vLLM's metrics
+        (``stats.py``). vLLM calls it after each step, on each worker and on the scheduler side."""
+        return self._interval.take(self.stats())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> SidecarConnectorStats:
+        """A report back from its ``to_dict()`` form (vLLM's stat logger, in the front-end)."""
+        return SidecarConnectorStats.build(data)
 
     def shutdown(self) -> None:
         if self.worker_side is not None:

@@ -11,8 +11,8 @@ right for all six. The content of one (block, head, token) cell::
     MLA         [ c_kv (kv_lora_rank) | k_pe (rope dim) ]    H = 1, no separate V
 
 The worker's caches (``StandardKV`` for GQA / MHA rows ``[L, 2, n, H, D]``, ``LatentKV`` for MLA
-latent rows ``[L, n, C]``) move rows at a request's token positions, with the same torch ops on
-CPU and CUDA tensors and no per-token Python:
+latent rows ``[L, n, C]``; both ``cache_view.CacheView``s) move rows at a request's token
+positions, with the same torch ops on CPU and CUDA tensors and no per-token Python:
 
 * ``scatter`` (loads): one indexed write per layer and part, every token addressed by its
   (block, offset) pair;
@@ -161,10 +161,10 @@ def runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 class _ViewCache:
-    """A cache of vLLM's standard ``[B, H, N, C]`` layer views, as the worker moves it: rows
-    ``scatter``ed at and ``gather``ed from a request's token positions (see the module
-    docstring). Subclasses say which cells they serve (``refuses``), what a row is
-    (``token_axis``, ``_rows_shape``) and how one layer's cells move."""
+    """A cache of vLLM's standard ``[B, H, N, C]`` layer views, as the worker moves it (a
+    ``cache_view.CacheView``): rows ``scatter``ed at and ``gather``ed from a request's token
+    positions (see the module docstring). Subclasses say which cells they serve (``refuses``),
+    what a row is (``token_axis``, ``_rows_shape``) and how one layer's cells move."""
 
     token_axis: int
 
@@ -221,8 +221,8 @@ class _ViewCache:
 
 class StandardKV(_ViewCache):
     """A GQA / MHA cache in vLLM's standard layout, on any device (flash-attn, FlashInfer, Triton
-    on GPUs): rows ``[L, 2, n, H, D]`` (K then V per layer, ``rows.GqaRows``), the interface of
-    ``paged.PagedKV``."""
+    on GPUs): rows ``[L, 2, n, H, D]`` (K then V per layer, ``rows.GqaRows``), like the CPU
+    backend's ``paged.PagedKV``."""
 
     token_axis = 2
 

@@ -119,12 +119,14 @@ class BlockLayout:
 
 
 class PagedKV:
-    """The engine's per-layer paged caches in layer order, with copies to and from payloads."""
+    """The engine's per-layer paged caches in layer order, with copies to and from payloads: a
+    ``cache_view.CacheView`` on host memory."""
 
     def __init__(self, layers: list[torch.Tensor], layout: BlockLayout) -> None:
         self.layers = layers
         self.layout = layout
         self.dtype = layers[0].dtype
+        self.device = layers[0].device
         nb = layers[0].shape[0]
         self._flat = [t.view(nb, -1) for t in layers]
         H, B, D = layout.num_kv_heads, layout.block_size, layout.head_size
@@ -144,8 +146,9 @@ class PagedKV:
         uniq, inv = torch.unique_consecutive(positions // B, return_inverse=True)
         return block_ids[uniq], inv * B + positions % B, len(uniq)
 
-    def gather(self, block_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """KV rows of ``positions`` (int64 [n], ascending) as ``[L, 2, n, H, D]`` (a new tensor)."""
+    def gather(self, block_ids: torch.Tensor, positions: torch.Tensor, host: bool = True) -> torch.Tensor:
+        """KV rows of ``positions`` (int64 [n], ascending) as ``[L, 2, n, H, D]`` (a new tensor).
+        ``host`` is moot: the cache is host memory, so the rows are on the CPU either way."""
         L, n = self.num_layers, len(positions)
         H, B, D = self.layout.num_kv_heads, self.layout.block_size, self.layout.head_size
         out = torch.empty((L, 2, n, H, D), dtype=self.dtype)
@@ -166,23 +169,23 @@ class PagedKV:
             out[li, 1] = self._flat[li][b3, vidx]
         return out
 
-    def scatter(self, rows_kv: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write ``rows_kv`` ``[L, 2, n, H, D]`` (engine dtype) at ``positions`` (ascending)."""
+    def scatter(self, rows: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write ``rows`` ``[L, 2, n, H, D]`` (engine dtype) at ``positions`` (ascending)."""
         n = len(positions)
         H, B, D = self.layout.num_kv_heads, self.layout.block_size, self.layout.head_size
         if self.layout.kind == "kT_v":
-            blks, rows, m = self._blocks(block_ids, positions)
+            blks, at, m = self._blocks(block_ids, positions)
             whole = m * B == n  # every covered block is overwritten entirely (block-aligned loads)
             for li in range(self.num_layers):
                 if whole:
-                    k = rows_kv[li, 0].reshape(m, B, H, D)
-                    v = rows_kv[li, 1].reshape(m, B, H, D)
+                    k = rows[li, 0].reshape(m, B, H, D)
+                    v = rows[li, 1].reshape(m, B, H, D)
                 else:
                     cur = self._flat[li].index_select(0, blks).view(m, H, 2, B * D)
                     k = cur[:, :, 0].view(m, H, D, B).permute(0, 3, 1, 2).reshape(m * B, H, D)
                     v = cur[:, :, 1].view(m, H, B, D).permute(0, 2, 1, 3).reshape(m * B, H, D)
-                    k.index_copy_(0, rows, rows_kv[li, 0])
-                    v.index_copy_(0, rows, rows_kv[li, 1])
+                    k.index_copy_(0, at, rows[li, 0])
+                    v.index_copy_(0, at, rows[li, 1])
                     k, v = k.view(m, B, H, D), v.view(m, B, H, D)
                 x = torch.empty((m, H, 2, B * D), dtype=self.dtype)
                 x[:, :, 0].view(m, H, D, B).copy_(k.permute(0, 2, 3, 1))
@@ -193,5 +196,5 @@ class PagedKV:
         kidx, vidx = self.layout.k_off[off], self.layout.v_off[off]
         b3 = blk.view(n, 1, 1)
         for li in range(self.num_layers):
-            self._flat[li][b3, kidx] = rows_kv[li, 0]
-            self._flat[li][b3, vidx] = rows_kv[li, 1]
+            self._flat[li][b3, kidx] = rows[li, 0]
+            self._flat[li][b3, vidx] = rows[li, 1]

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from sidecar.identity import KVLayout
     from sidecar.rotation import RopeSpec
 
+    from clients.vllm.cache_view import CacheView
     from clients.vllm.staging import Staging
 
 Item = tuple[int, int, torch.Tensor, int]
@@ -61,7 +62,7 @@ def runs_of(items: list[Item]) -> list[tuple[int, int, list[torch.Tensor], list[
     return runs
 
 
-def place(cache: Any, rows_kind: Any, items: list[Item], block_ids: torch.Tensor, *, staging: "Staging",
+def place(cache: "CacheView", rows_kind: Any, items: list[Item], block_ids: torch.Tensor, *, staging: "Staging",
           rope: "RopeSpec | None", layout: "KVLayout", scratch: Scratch, registered: bool = False) -> int:
     """Write ``items`` into ``cache`` (``PagedKV`` / ``StandardKV`` / ``LatentKV``); how many
     tokens were rotated here. ``registered``: the rows are views of memory CUDA knows as pinned
@@ -79,7 +80,7 @@ def _positions(start: int, end: int) -> torch.Tensor:
     return torch.arange(start, end, dtype=torch.int64)
 
 
-def _place_on_host(cache: Any, items: list[Item], block_ids: torch.Tensor, rope: "RopeSpec | None",
+def _place_on_host(cache: "CacheView", items: list[Item], block_ids: torch.Tensor, rope: "RopeSpec | None",
                    layout: "KVLayout", scratch: Scratch) -> int:
     from sidecar.rotation.batch import rotate_payloads_  # noqa: PLC0415 - numba loads only when rotating
 
@@ -104,14 +105,14 @@ def _place_on_host(cache: Any, items: list[Item], block_ids: torch.Tensor, rope:
     return sum(n for _, n, _ in copies)
 
 
-def _place_on_device(cache: Any, rows_kind: Any, items: list[Item], block_ids: torch.Tensor, staging: "Staging",
+def _place_on_device(cache: "CacheView", rows_kind: Any, items: list[Item], block_ids: torch.Tensor, staging: "Staging",
                      rope: "RopeSpec | None", registered: bool) -> int:
     moved = staging.to_device([rows for _, _, rows, _ in items], registered=registered)
     return _place_runs(cache, rows_kind, runs_of([(s, e, m, d) for (s, e, _, d), m in zip(items, moved)]),
                        block_ids, rope, context=staging.context())
 
 
-def _place_runs(cache: Any, rows_kind: Any, runs: list, block_ids: torch.Tensor, rope: "RopeSpec | None",
+def _place_runs(cache: "CacheView", rows_kind: Any, runs: list, block_ids: torch.Tensor, rope: "RopeSpec | None",
                 context: Any = None) -> int:
     """Per run: its rows joined (one copy where there are several), rotated in place, scattered.
     The rows must be the caller's own (a device copy, or latent rows built by ``LatentRows.of``)."""

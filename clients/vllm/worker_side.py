@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from clients.vllm.cache_view import CacheView
 from clients.vllm.layouts import LatentKV, PagedSpec, StandardKV, UnsupportedLayout
 from clients.vllm.jobs import LoadJob, StoreJob
 from clients.vllm.paged import BlockLayout, PagedKV, single_threaded
@@ -106,7 +107,7 @@ class WorkerSide:
         self.block_size = shape.block_size
         self.link = link
         self.counters: Counter[str] = Counter() if counters is None else counters
-        self.paged: PagedKV | StandardKV | LatentKV | None = None
+        self.paged: CacheView | None = None  # PagedKV (CPU backend), StandardKV or LatentKV
         self.staging = Staging(torch.device("cpu"))  # the cache's device once registered
         #: what the cache's rows are (``rows.py``): [L, 2, n, H, D], or MLA latent rows [L, n, C]
         self.rows = LatentRows if shape.mla else GqaRows
