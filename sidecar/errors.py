@@ -1,34 +1,26 @@
-"""Error taxonomy and the one table that maps it to gRPC status codes.
+"""Error taxonomy: the typed errors the domain raises, free of any transport.
 
 Three tiers (docs/architecture.md, "Errors"): caller mistakes are ``ValueError``/``TypeError``
 (or ``InvalidArgument``, which is both a ``ValueError`` and a ``SidecarError``) and become
-INVALID_ARGUMENT at the edge; refusals are typed ``SidecarError`` subclasses carrying their
-status; invariant violations are ``InvariantViolation`` (INTERNAL, with a bug id, counted). The
-server maps exceptions with ``status_for``; the client maps statuses back with
-``error_for_status``. Nothing else in the code base chooses a status code.
+INVALID_ARGUMENT at the edge; refusals are typed ``SidecarError`` subclasses, one per status;
+invariant violations are ``InvariantViolation`` (INTERNAL, with a bug id, counted).
+
+Which status each class is on the wire is the transport's business: ``sidecar.api.status``
+holds that one map (``status_for`` on the server, ``error_for_status`` in the SDK) and binds
+each class's gRPC status code as its ``code`` attribute when it loads. Nothing here imports it.
 """
 
 from __future__ import annotations
 
-import json
-import linecache
-import os
-import sys
 import uuid
-
-import grpc
-
-#: Trailing metadata of a RESOURCE_EXHAUSTED caused by resident claims (docs/claims.md): the
-#: blocking claim ids (comma-separated, the caller's own) and the capacity proof (JSON object
-#: with resident, active, usable, shortfall, unit, free). The status message says the same.
-BLOCKING_CLAIMS_KEY = "kv-sidecar-blocking-claim-ids"
-CAPACITY_PROOF_KEY = "kv-sidecar-capacity-proof"
+from typing import Any
 
 
 class SidecarError(Exception):
-    """Base of every error the sidecar reports with a specific gRPC status."""
+    """Base of every error the sidecar reports with a specific status."""
 
-    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    #: The gRPC status code, bound by ``sidecar.api.status`` (the server and the SDK load it).
+    code: Any
     #: Clients may retry the call after a backoff.
     transient: bool = False
 
@@ -39,55 +31,47 @@ class SidecarError(Exception):
         self.blocking_claim_ids: tuple[str, ...] = ()
         self.capacity_proof: dict | None = None
 
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        """Structured details sent as trailing metadata (the message carries them too)."""
-        if self.capacity_proof is None:
-            return ()
-        return (
-            (BLOCKING_CLAIMS_KEY, ",".join(self.blocking_claim_ids)),
-            (CAPACITY_PROOF_KEY, json.dumps(self.capacity_proof, sort_keys=True)),
-        )
-
 
 class InvalidArgument(SidecarError, ValueError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    """A caller mistake: a malformed request; the message starts with the field name."""
 
 
 class FailedPrecondition(SidecarError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    """The request is well formed but the state refuses it (identity mismatch, stale version, ...)."""
 
 
 class NotFound(SidecarError):
-    code = grpc.StatusCode.NOT_FOUND
+    """An unknown (or another tenant's) session, plan or claim."""
 
 
 class ResourceExhausted(SidecarError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    """Capacity, limits, claim refusals (with the capacity proof)."""
 
 
 class Unauthenticated(SidecarError):
-    code = grpc.StatusCode.UNAUTHENTICATED
+    """A missing or wrong credential."""
 
 
 class PermissionDenied(SidecarError):
-    code = grpc.StatusCode.PERMISSION_DENIED
+    """A tenant the credential does not grant."""
 
 
 class Unavailable(SidecarError):
-    code = grpc.StatusCode.UNAVAILABLE
+    """A required backend is down; the one transient error."""
+
     transient = True
 
 
 class Unimplemented(SidecarError):
-    code = grpc.StatusCode.UNIMPLEMENTED
+    """The server does not offer the call (an older server, say)."""
 
 
 class Internal(SidecarError):
-    code = grpc.StatusCode.INTERNAL
+    """A bug of the sidecar's."""
 
 
 class DeadlineExceeded(SidecarError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    """The call ran past its deadline (a status the client receives)."""
 
 
 class InvariantViolation(Internal):
@@ -96,71 +80,3 @@ class InvariantViolation(Internal):
     def __init__(self, message: str, bug_id: str | None = None) -> None:
         self.bug_id = bug_id or uuid.uuid4().hex[:12]
         super().__init__(f"{message} (bug id {self.bug_id})")
-
-
-_BY_CODE: dict[grpc.StatusCode, type[SidecarError]] = {
-    cls.code: cls
-    for cls in (
-        InvalidArgument,
-        FailedPrecondition,
-        NotFound,
-        ResourceExhausted,
-        Unauthenticated,
-        PermissionDenied,
-        Unavailable,
-        Unimplemented,
-        Internal,
-        DeadlineExceeded,
-    )
-}
-
-
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))  # sidecar/, installed or not
-
-
-def _raised_by_the_project(exc: BaseException) -> bool:
-    """Whether ``exc`` left a ``raise`` statement of this project's own code (its validation),
-    rather than a library (torch, numpy; also C code, whose errors surface at the calling line):
-    a ValueError / TypeError from a library reaching the edge is a bug here, not the caller's."""
-    tb = exc.__traceback__
-    if tb is None:
-        return True  # constructed and handed over, never raised through a library
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    path = os.path.abspath(tb.tb_frame.f_code.co_filename)
-    if not path.startswith(_PACKAGE + os.sep):
-        return False
-    return linecache.getline(path, tb.tb_lineno).lstrip().startswith("raise")
-
-
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status and message for an exception raised by domain code.
-
-    ``ValueError`` / ``TypeError`` raised by the project's own code are caller mistakes
-    (INVALID_ARGUMENT); raised deep inside a library they are bugs (INTERNAL). The tiers'
-    ``TierUnavailableError`` (a closed store, a failed backend) is UNAVAILABLE."""
-    if isinstance(exc, SidecarError):
-        return exc.code, exc.message
-    tiers = sys.modules.get("sidecar.tiers.errors")  # loaded wherever the tiers run (the server)
-    if tiers is not None and isinstance(exc, tiers.TierUnavailableError):
-        return grpc.StatusCode.UNAVAILABLE, f"tiers unavailable: {exc}"
-    if isinstance(exc, (ValueError, TypeError)) and _raised_by_the_project(exc):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
-
-
-def error_for_status(code: grpc.StatusCode, message: str, trailers=()) -> SidecarError:
-    """The typed client-side error for a status received from a server (``trailers``: its
-    trailing metadata; claim refusals bring ``blocking_claim_ids`` and ``capacity_proof``)."""
-    cls = _BY_CODE.get(code, SidecarError)
-    if cls is SidecarError:
-        err = SidecarError(f"{code.name}: {message}")
-        err.code = code
-    else:
-        err = cls(message)
-    for key, value in trailers or ():
-        if key == BLOCKING_CLAIMS_KEY:
-            err.blocking_claim_ids = tuple(x for x in str(value).split(",") if x)
-        elif key == CAPACITY_PROOF_KEY:
-            err.capacity_proof = json.loads(value)
-    return err

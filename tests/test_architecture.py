@@ -11,6 +11,8 @@ Rules, one test each:
 
 * no import cycles (the message names each cycle as a path of modules and import lines);
 * layering: what each layer may not import (``LAYERS``);
+* transitive layering: what each layer may not reach through any chain of imports within the
+  tree (``REACH``; the message names the chain, each import with its line);
 * no source file over ``MAX_LINES`` lines unless its module docstring says "over 600 lines"
   and why (generated protobuf / gRPC stubs are exempt).
 
@@ -39,6 +41,9 @@ TRANSPORT = ("grpc", "grpc_*")  # grpc, and its companions (grpc_health, grpc_re
 STUBS = ("sidecar.v1",)  # the generated stubs (protoc's path for the proto package sidecar.v1)
 #: the product (bench/ and tests/ are raw-gRPC users of the wire and the metrics endpoint)
 PRODUCT = ("sidecar", "clients", "examples")
+#: what the domain never imports, directly or through any chain of imports
+DOMAIN_NEVER = (*TRANSPORT, "prometheus_client", "sidecar.api", "sidecar.server", "sidecar.sdk", "sidecar.app",
+                "sidecar.cli", "sidecar.v1")
 
 
 @dataclass(frozen=True)
@@ -55,9 +60,7 @@ class Layer:
 
 
 LAYERS = (
-    Layer("domain_is_transport_free", tuple(f"sidecar.{d}" for d in DOMAIN),
-          (*TRANSPORT, "prometheus_client", "sidecar.api", "sidecar.server", "sidecar.sdk", "sidecar.app",
-           "sidecar.cli", "sidecar.v1")),
+    Layer("domain_is_transport_free", tuple(f"sidecar.{d}" for d in DOMAIN), DOMAIN_NEVER),
     # auth builds the transport's credentials (grpc), and is still below the edge
     Layer("auth_below_the_edge", ("sidecar.auth",),
           ("prometheus_client", "sidecar.api", "sidecar.server", "sidecar.sdk", "sidecar.app", "sidecar.cli")),
@@ -71,16 +74,23 @@ LAYERS = (
     Layer("sidecar_not_on_clients_or_bench", ("sidecar",), ("clients", "bench", "examples")),
 )
 
+#: Rules that hold for every chain of imports: importing a module of ``who`` runs nothing that
+#: imports ``never`` (a domain module that imports a shared module that imports grpc does reach it).
+REACH = (
+    Layer("domain_reaches_no_transport", tuple(f"sidecar.{d}" for d in DOMAIN), DOMAIN_NEVER),
+)
+
 
 @dataclass(frozen=True)
 class Edge:
     src: str
     dst: str  # a module of the tree, or an outside module as written
     path: str  # the importing file, relative to the repository root
-    line: int
+    line: int  # 0: no import line; ``dst`` is a package of ``src``, whose ``__init__`` runs first
 
     def __str__(self) -> str:
-        return f"{self.src} -> {self.dst} ({self.path}:{self.line})"
+        return f"{self.src} -> {self.dst} ({self.path}:{self.line})" if self.line else \
+            f"{self.src} -> {self.dst} (its package, run first)"
 
 
 def _module_name(path: Path) -> str:
@@ -237,6 +247,62 @@ def test_layering(layer: Layer) -> None:
     if bad:
         pytest.fail(f"{scope} must not import {', '.join(layer.never)}:\n" + "".join(f"  {e}\n" for e in bad),
                     pytrace=False)
+
+
+def _parents(module: str, modules: dict[str, Path]) -> list[str]:
+    """The packages of the tree whose ``__init__`` importing ``module`` runs first."""
+    parts = module.split(".")
+    return [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in modules]
+
+
+def reach_violations(layer: Layer) -> dict[str, list[Edge]]:
+    """Each module of ``layer.who`` that reaches ``layer.never`` -> the shortest chain of imports
+    that does (breadth-first over the tree's modules; an import also runs the ``__init__`` of the
+    packages above the imported module, so those are followed too, at the same import line)."""
+    modules = source_files()
+    graph: dict[str, list[Edge]] = {m: [] for m in modules}
+    for e in edges():
+        graph[e.src].append(e)
+        if e.dst in modules:
+            graph[e.src].extend(Edge(e.src, p, e.path, e.line) for p in _parents(e.dst, modules))
+    found: dict[str, list[Edge]] = {}
+    for start in sorted(m for m in modules if any(_matches(m, w) for w in layer.who)
+                        and not any(_matches(m, x) for x in layer.exempt)):
+        prev = {p: Edge(start, p, str(modules[start].relative_to(ROOT)), 0) for p in _parents(start, modules)}
+        seen = {start, *prev}
+        frontier = [start, *prev]
+        hit = None
+        while frontier and hit is None:
+            nxt = []
+            for node in frontier:
+                for e in graph[node]:
+                    if any(_matches(e.dst, n) for n in layer.never):
+                        hit = e
+                        break
+                    if e.dst in modules and e.dst not in seen:
+                        seen.add(e.dst)
+                        prev[e.dst] = e
+                        nxt.append(e.dst)
+                if hit is not None:
+                    break
+            frontier = nxt
+        if hit is not None:
+            chain = [hit]
+            while chain[0].src in prev:
+                chain.insert(0, prev[chain[0].src])
+            found[start] = chain
+    return found
+
+
+@pytest.mark.parametrize("layer", REACH, ids=[layer.rule for layer in REACH])
+def test_layering_transitive(layer: Layer) -> None:
+    found = reach_violations(layer)
+    if found:
+        pytest.fail(f"{', '.join(layer.who)} must not reach {', '.join(layer.never)} through any chain of imports; "
+                    f"{len(found)} module(s) do:\n" + "".join(
+                        "  " + " -> ".join([chain[0].src] + [e.dst for e in chain]) + "\n"
+                        + "".join(f"      {e}\n" for e in chain)
+                        for chain in found.values()), pytrace=False)
 
 
 def _generated(path: Path, text: str) -> bool:

@@ -1,7 +1,7 @@
 """What both clients share below the RPC table: the channel, the stub, headers, the deadline,
 the retry policy, the shared-memory buffers of Fetch calls, and the one conversion of a gRPC
-failure to a typed error (``sidecar.errors``). ``sidecar.sdk.aio`` and ``sidecar.sdk.sync``
-choose the channel kind and run the table's entries over it.
+failure to a typed error (``sidecar.errors``, through ``sidecar.api.status``). ``sidecar.sdk.aio``
+and ``sidecar.sdk.sync`` choose the channel kind and run the table's entries over it.
 
 This is the SDK's one importer of the generated stub class (``sidecar.v1``): the wire
 messages themselves are built and read in ``sidecar.api``.
@@ -21,8 +21,9 @@ import grpc
 from sidecar.api.service import Stub
 from sidecar.api.frames import FETCH_METHOD, FETCH_SESSION_METHOD, parse_fetch_frame
 from sidecar.api.kv import AUTH_HEADER, TENANT_HEADER, StoreResponse
+from sidecar.api.status import error_for_status
 from sidecar.api.store_frames import STORE_METHOD, serialize_store
-from sidecar.errors import SidecarError, error_for_status
+from sidecar.errors import SidecarError
 from sidecar.sdk.fetch import FetchAssembler, FrameCall
 from sidecar.shm import SHM_DIR, SegmentPool, local_target
 

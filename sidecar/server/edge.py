@@ -6,7 +6,7 @@ handlers in their constructor. ``rpc`` and ``streaming`` wrap a handler so that:
 * the tenant is resolved (``Tenancy``) and one of its stream slots taken
   (``limits.max_concurrent_streams``) before the handler runs, and released on every path
   (error, cancellation) by a ``finally``;
-* any exception leaves through ``Edge.abort``: ``sidecar.errors.status_for`` maps it to a
+* any exception leaves through ``Edge.abort``: ``sidecar.api.status.status_for`` maps it to a
   status (the one map of domain errors to statuses), the call is counted by method and code,
   a broken invariant counts in ``cache_invariant_violations_total`` and INTERNAL is logged.
 
@@ -26,7 +26,8 @@ import grpc
 from sidecar.api.kv import FetchRequest, IdentityCache
 from sidecar.api.service import METHOD_NAMES
 from sidecar.api.sessions import FetchSessionRequest
-from sidecar.errors import InvariantViolation, SidecarError, status_for
+from sidecar.api.status import status_for, trailers_for
+from sidecar.errors import InvariantViolation
 from sidecar.limits import TenantLimiter
 from sidecar.server.metrics import Metrics
 from sidecar.server.tenancy import Tenancy
@@ -69,7 +70,7 @@ class Edge:
         if code is grpc.StatusCode.INTERNAL:
             logger.exception("%s failed", method)
         self.metrics.requests.labels(method, code.name).inc()
-        trailers = exc.trailing_metadata() if isinstance(exc, SidecarError) else ()
+        trailers = trailers_for(exc)
         await context.abort(code, message, trailers)
 
     def open_shm(self, request: FetchRequest | FetchSessionRequest, context: grpc.aio.ServicerContext

@@ -7,8 +7,9 @@ import socket
 import grpc
 import pytest
 
+from sidecar.api.status import error_for_status, status_for
 from sidecar.client import RetryPolicy, SidecarClient, SyncSidecarClient
-from sidecar.errors import InvalidArgument, SidecarError, Unavailable, error_for_status, status_for
+from sidecar.errors import InvalidArgument, SidecarError, Unavailable
 from tests.conftest import message
 
 

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from sidecar.api.status import status_for
 from sidecar.client import RetryPolicy, SidecarClient
-from sidecar.errors import InvalidArgument, status_for
+from sidecar.errors import InvalidArgument
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.registry.entry import EntryState
 from sidecar.registry.registry import RegistryConfig

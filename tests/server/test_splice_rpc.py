@@ -36,8 +36,8 @@ from sidecar.errors import (
     InvariantViolation,
     NotFound,
     ResourceExhausted,
-    status_for,
 )
+from sidecar.api.status import status_for
 from sidecar.app import ServerThread, SidecarServer, create_server
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
