@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from sidecar.identity import KVLayout
+from sidecar.identity import CacheIdentity, KVLayout
 
 _TP = re.compile(r"tp(\d+)of(\d+)")
 
@@ -59,6 +59,32 @@ def cut_of(shard: str) -> Cut | None:
     if not (size > 1 and 0 <= rank < size):
         return None
     return Cut(rank, size, rest[0] if rest else "")
+
+
+#: the identity fields two cuts of one model share (``kv_layout`` holds the rank's heads)
+MODEL_FIELDS = ("model_id", "weights_hash", "tokenizer_hash", "rope_fingerprint", "block_size", "namespace")
+
+
+def model_key(identity: CacheIdentity, cut: Cut) -> tuple:
+    """What every cut of ``identity``'s model (at ``cut``'s pipeline stage) shares."""
+    return tuple(getattr(identity, f) for f in MODEL_FIELDS) + (cut.rest,)
+
+
+def other_leads(identity: CacheIdentity, identities) -> list[CacheIdentity]:
+    """Of ``identities`` (engines' identities: a heartbeat's, this sidecar's), the rank-0 identity
+    of each other TP size of ``identity``'s model, smallest size first (rank-0 shards are named
+    from any rank's identity: every rank of one size has the same ``kv_layout``)."""
+    cut = cut_of(identity.shard)
+    if cut is None:
+        return []
+    key = model_key(identity, cut)
+    out: dict[int, CacheIdentity] = {}
+    for other in identities:
+        c = cut_of(other.shard)
+        if c is None or c.size == cut.size or c.size in out or model_key(other, c) != key:
+            continue
+        out[c.size] = other if c.rank == 0 else replace(other, shard=c.shard(0))
+    return [out[n] for n in sorted(out)]
 
 
 def heads_layout(layout: KVLayout, count: int) -> KVLayout:

@@ -26,19 +26,12 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from sidecar.cuts import Cut, cut_of, heads_layout
+from sidecar.cuts import cut_of, heads_layout, model_key
 from sidecar.errors import InvalidArgument
 from sidecar.identity import CacheIdentity, KVLayout
 
-#: the identity fields two cuts of one model share (``kv_layout`` holds the rank's heads)
-_MODEL_FIELDS = ("model_id", "weights_hash", "tokenizer_hash", "rope_fingerprint", "block_size", "namespace")
-
 #: models remembered at most; the least recently stored go first
 MAX_MODELS = 1024
-
-
-def model_key(identity: CacheIdentity, cut: Cut) -> tuple:
-    return tuple(getattr(identity, f) for f in _MODEL_FIELDS) + (cut.rest,)
 
 
 class CutFamilies:

@@ -24,9 +24,11 @@ score nor the work done to compute it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
+from sidecar.cuts import other_leads
 from sidecar.identity import SHARED_SCOPE, CacheIdentity
 from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
 from sidecar.registry.chunker import variant_keys
@@ -35,7 +37,7 @@ from sidecar.registry.shared import SharedRegistry
 from sidecar.registry.shared_keys import beat_key, members_key, residency_keys
 from sidecar.routing.config import RoutingConfig
 from sidecar.routing.residency import Beat, Holding, Residency, copy_field, decode_holding
-from sidecar.routing.score import Holdings, ReplicaScore, ScoreResult, own_view, score_of
+from sidecar.routing.score import Holdings, ReplicaScore, ScoreResult, best_per_replica, own_view, score_of
 from sidecar.tiers import Tier
 
 
@@ -123,8 +125,26 @@ class Fleet:
 
     # ------------------------------------------------------------------ Score
 
+    async def score_any_cut(self, q: LookupQuery, candidates: Sequence[str],
+                            known: Iterable[CacheIdentity] = ()) -> ScoreResult:
+        """``score`` under ``q``'s identity and under each other tensor-parallel size of its
+        model that this replica's engines, a live candidate's (their heartbeats) or ``known``
+        stored under (``sidecar.cuts``): per replica the best, so a chunk counts as held for
+        every cut it can serve (re-sharding)."""
+        res, beats = await self._score(q, candidates)
+        leads = other_leads(q.identity, [*self.own_identities(), *known,
+                                         *(i for b in beats.values() for i in b.identities)])
+        if not leads:
+            return res
+        more = [(await self._score(replace(q, identity=lead), candidates))[0] for lead in leads]
+        return best_per_replica([res, *more])
+
     async def score(self, q: LookupQuery, candidates: Sequence[str]) -> ScoreResult:
         """Per live candidate (in ``candidates``' order) what it could serve of ``q``."""
+        return (await self._score(q, candidates))[0]
+
+    async def _score(self, q: LookupQuery, candidates: Sequence[str]) -> tuple[ScoreResult, dict[str, Beat]]:
+        """``score``, and the live candidates' beats it read on the way."""
         self.stats["scores"] += 1
         index = self.index
         reg = index.registry
@@ -166,7 +186,7 @@ class Fleet:
             self.stats["planned"] += 1
             scores.append(score_of(plan, c, tier_of))
         self.stats["absent"] += len(absent)
-        return ScoreResult(total_tokens=n, scores=scores, absent=absent)
+        return ScoreResult(total_tokens=n, scores=scores, absent=absent), alive
 
     async def _read(self, chunks: Any, scopes: tuple[str, ...], peers: list[str]
                     ) -> tuple[dict[str, Beat], dict[str, dict[int, Holding]], set[int], dict[int, int]] | None:

@@ -25,7 +25,7 @@ the own replica could be credited with them, and seeds cost a seed-map probe per
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -171,3 +171,20 @@ def score_of(plan: LookupPlan, replica: str, tier_of: Callable[[int], str]) -> R
         tier = tier_of(key)
         tiers[tier] = tiers.get(tier, 0) + length
     return out
+
+
+def best_per_replica(results: Sequence[ScoreResult]) -> ScoreResult:
+    """Per replica the score that saves the most of one prompt scored under several identities
+    (the tensor-parallel sizes of one model: ``Fleet.score_any_cut``); absent where absent in all."""
+    first = results[0]
+    best = {s.replica: s for s in first.scores}
+    for r in results[1:]:
+        for s in r.scores:
+            if s.replica not in best or s.saved_tokens > best[s.replica].saved_tokens:
+                best[s.replica] = s
+    order = [s.replica for s in first.scores] + [c for r in results[1:] for c in (s.replica for s in r.scores)]
+    seen: set[str] = set()
+    scores = [best[c] for c in order if not (c in seen or seen.add(c))]
+    absent = [c for c in first.absent if c not in best]
+    return ScoreResult(total_tokens=first.total_tokens, scores=scores, absent=absent)
+

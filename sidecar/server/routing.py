@@ -63,7 +63,7 @@ class RoutingHandlers:
         query = self.kv.lookup_query(request.lookup, tenant)
         query = dataclasses.replace(query, engine_prefix_len=0, dry_run=True)
         cands = await self._candidates(request.candidates, "candidates")
-        res = await self.fleet.score(query, cands)
+        res = await self.fleet.score_any_cut(query, cands, self.kv.dataplane.cuts.others(query.identity))
         self.metrics.score_seconds.observe(time.perf_counter() - t0)
         return score_result_to_wire(res)
 
@@ -90,7 +90,7 @@ class RoutingHandlers:
             left_context_window=cfg.default_left_context_window, recompute_tokens=cfg.default_recompute_tokens,
             repair_scope=cfg.default_repair_scope, dry_run=True,
         )
-        res = await self.fleet.score(query, pods)
+        res = await self.fleet.score_any_cut(query, pods, self.kv.dataplane.cuts.others(identity))
         block = identity.block_size or _LLMD_BLOCK
         self.metrics.score_seconds.observe(time.perf_counter() - t0)
         return pod_scores_to_wire([(s.replica, s.saved_tokens / block) for s in res.scores])

@@ -8,6 +8,7 @@ assertion; the few durations measured here are printed, not asserted.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 import urllib.request
@@ -16,16 +17,19 @@ import grpc
 import numpy as np
 import pytest
 import redis
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar.app import REGISTRY_HEALTH_NAME
 from sidecar.client import SyncSidecarClient
+from sidecar.cuts import heads_layout
 from sidecar.identity import CacheIdentity
 from sidecar.registry.lookup_plan import SegmentKind
 from sidecar.sdk.router import Router, RouterConfig, pick
 from tests.conftest import ANCHORS, message
 from tests.routing.conftest import (
     IDENT,
+    LAYOUT,
     FleetProcs,
     calls_delta,
     command_calls,
@@ -396,3 +400,34 @@ def test_router_routes_to_the_replica_holding_the_prompt(fleet: FleetProcs, clie
     # another model's identity: nothing cached anywhere
     other_model = CacheIdentity(model_id="other", kv_layout=IDENT.kv_layout)
     assert router.route(p, other_model).saved_tokens == 0
+
+
+# ------------------------------------------------------------------------ tensor-parallel sizes
+
+
+def store_as(client: SyncSidecarClient, tokens: np.ndarray, identity: CacheIdentity, layout) -> None:
+    meta = client.store(tokens, identity=identity)
+    b = meta.chunk_bounds
+    per_tok = layout.bytes_per_token // 4
+    pl = {a: torch.randn((e - a) * per_tok) for a, e in zip(b[:-1], b[1:])}
+    assert client.store(tokens, identity=identity, layout=layout, payloads=pl).chunks_stored == len(pl)
+
+
+def test_a_chunk_counts_for_every_tensor_parallel_size_it_can_serve(fleet: FleetProcs, clients, rng):
+    """r0's engine stored a prompt at TP 1, r1's at TP 2 (each rank its head): scored under
+    either size, both replicas hold all of it (docs/vllm.md, "Re-sharding"); an unrelated
+    replica nothing."""
+    names = ("r0", "r1", "r2")
+    t = fleet.start_all(names, **WHOLE_CHUNKS)
+    c = {r: clients(t[r]) for r in names}
+    p = np.concatenate(conversation(rng))
+    store_kv(c["r0"], p)  # TP 1: IDENT is unsharded
+    half = heads_layout(LAYOUT, LAYOUT.parts[0].shape[0] // 2)
+    tp2 = [dataclasses.replace(IDENT, kv_layout=half.fingerprint(), shard=f"tp{r}of2") for r in range(2)]
+    for ident in tp2:
+        store_as(c["r1"], p, ident, half)
+    store_kv(c["r2"], np.concatenate(conversation(rng)))
+    for ident, via in ((tp2[0], "r2"), (IDENT, "r2"), (tp2[0], "r0"), (IDENT, "r1")):
+        wait_until(lambda: [(s.replica, s.saved_tokens) for s in c[via].score(p, ident, names).scores]
+                   == [("r0", len(p)), ("r1", len(p)), ("r2", 0)],
+                   f"scored via {via} under shard {ident.shard!r}: r0 and r1 hold the prompt")
