@@ -247,11 +247,14 @@ def run_size(case: Case, reps: int) -> dict[str, Any]:
         for kind in case.plans:
             for path in FETCH_PATHS:
                 fetch_t[kind][path].append(settled(lambda: case.fetch(path, kind)))
+    # The segment buffer and the old paths' staging go before the loads into vLLM's caches, the
+    # Fetch data and the pool path's staging before the Stores: memory stays bounded.
+    case.seg.close()
+    del case.staging["old"]
+    gc.collect()
     load_t = vllm_loads(case, reps)
-    # The Fetch data, staging and segment buffer go before the Stores: memory stays bounded.
     case.forget(case.prompt)
     case.staging.clear()
-    case.seg.close()
     gc.collect()
     store_t: dict[str, list[float]] = {p: [] for p in STORE_PATHS}
     for i in range(reps + 1):  # rep 0 warms up

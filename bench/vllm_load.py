@@ -2,7 +2,7 @@
 them (``clients.vllm.placing.place``), for the dataplane bench (``bench.dataplane``).
 
 Two caches of the same shape, ``[blocks, H, 16, 2 * D]`` per layer, block size 16, the request's
-blocks a shuffled permutation (vLLM's free-block queue is not in order):
+blocks a shuffled draw of the cache's (vLLM's free-block queue is not in order):
 
 * ``cpu_backend``: the CPU attention backend's packing (``clients.vllm.paged.PagedKV``, the
   ``vec`` block layout: per head, K dim-major then V token-major);
@@ -32,9 +32,9 @@ CACHES = ("cpu_backend", "standard")
 
 
 def build(kind: str, num_layers: int, heads: int, head_dim: int, tokens: int) -> tuple[Any, torch.Tensor]:
-    """A cache for ``tokens`` (and one spare block per 16 so the table is not the identity),
-    and a request's block table (int64)."""
-    nb = 2 * (tokens // BLOCK) + 1
+    """A cache for ``tokens`` (and 64 spare blocks) and a request's block table (int64): a
+    shuffled draw of the cache's blocks."""
+    nb = tokens // BLOCK + 64
     layers = [torch.zeros((nb, heads, BLOCK, 2 * head_dim), dtype=torch.bfloat16) for _ in range(num_layers)]
     table = torch.from_numpy(np.random.default_rng(1).permutation(nb)[: tokens // BLOCK]).to(torch.int64)
     if kind == "cpu_backend":
