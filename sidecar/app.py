@@ -6,7 +6,7 @@
             ├─> DataPlane(index, TieredStore) <── ClaimLedger ─┐             │
             ├─> SpliceService(SessionTable, resolver=dataplane) │            │
             ├─> ClaimsService(ledger) ──────────────────────────┘            │
-            ├─> ManifestService(index, dataplane, tenancy)                   │
+            ├─> ManifestService(index, dataplane)                            │
             └─> Edge(Tenancy, TenantLimiter, IdentityCache) ─> KVHandlers, SessionHandlers,
                                                                ClaimHandlers, ManifestHandlers
                                                                -> grpc.aio server (from the
@@ -36,20 +36,23 @@ from sidecar import __version__
 from sidecar.api.kv import RequestLimits
 from sidecar.auth.tls import server_credentials
 from sidecar.claims import ClaimLedger
+from sidecar.claims.service import ClaimsService
 from sidecar.config import LOOPBACK_HOSTS, SidecarConfig
 from sidecar.dataplane import DataPlane
 from sidecar.directives import SessionTable
+from sidecar.directives.service import SpliceService
 from sidecar.limits import TenantLimiter
+from sidecar.manifests.service import ManifestService
 from sidecar.registry.chunk_index import ChunkIndex
 from sidecar.registry.chunker import warmup
 from sidecar.registry.lookup_kernel import warmup as compiled_warmup
 from sidecar.registry.registry import InMemoryRegistry
 from sidecar.registry.shared import SharedRegistry
-from sidecar.server.claims import ClaimHandlers, ClaimsService
+from sidecar.server.claims import ClaimHandlers
 from sidecar.api.service import INDEXER_METHODS, INDEXER_SERVICE_NAME, SERVICE_NAME
 from sidecar.server.edge import Edge
 from sidecar.server.kv import KVHandlers
-from sidecar.server.manifests import ManifestHandlers, ManifestService
+from sidecar.server.manifests import ManifestHandlers
 from sidecar.server.pool import PoolHandlers
 from sidecar.server.pool import run_reaper as run_pool_reaper
 from sidecar.routing.fleet import Fleet
@@ -57,7 +60,7 @@ from sidecar.routing.models import ModelCatalog
 from sidecar.server.routing import RoutingHandlers
 from sidecar.server.metrics import Metrics
 from sidecar.server.service import add_service
-from sidecar.server.sessions import SessionHandlers, SpliceService
+from sidecar.server.sessions import SessionHandlers
 from sidecar.server.tenancy import Tenancy
 from sidecar.tiers import RemoteEndpoint, Tier, TieredStore
 
@@ -142,8 +145,11 @@ def build(config: SidecarConfig, *, session_table: SessionTable | None = None) -
         config.directives,
         max_sessions_per_tenant=config.limits.session_ceiling(config.directives.max_sessions_per_tenant),
     )
-    sessions = SpliceService(directives, metrics, table=session_table, resolver=dataplane.resolve_held)
-    claims = ClaimsService(config.claims, index, ledger, sessions, metrics)
+    sessions = SpliceService(
+        directives.session_config(), table=session_table, resolver=dataplane.resolve_held,
+        forget_tenants=directives.forget_tenants, sweep_interval_s=directives.sweep_interval_s,
+    )
+    claims = ClaimsService(config.claims, index, ledger, sessions)
     tenancy = Tenancy(config.auth, config.default_tenant, config.tls)
     limits = TenantLimiter(
         config.limits,
@@ -152,7 +158,7 @@ def build(config: SidecarConfig, *, session_table: SessionTable | None = None) -
         forget_tenants=config.directives.forget_tenants,
     )
     edge = Edge(tenancy, limits, metrics, shared_memory=config.fetch_shared_memory)
-    manifests = ManifestService(config.manifests, index, dataplane, tenancy, metrics, config.max_prompt_tokens)
+    manifests = ManifestService(config.manifests, index, dataplane, config.max_prompt_tokens)
     kv = KVHandlers(edge, config, index, dataplane, ledger, shared)
     fleet = Fleet(config.routing, index, shared)
     kv.on_stored = fleet.saw_identity

@@ -2,7 +2,8 @@
 
 ``model`` (modes, states, decisions, C1), ``ledger`` (the claim table, references, guards,
 expiry, materialization), ``arbitration`` (engine-pool feasibility and the capacity proof),
-``events`` (bounded buffer with per-watcher cursors), ``config`` (the ``claims:`` section).
+``events`` (bounded buffer with per-watcher cursors), ``config`` (the ``claims:`` section),
+``service`` (``ClaimsService``: claim requests checked and resolved to chunks, behind the RPCs).
 
 Deprecated: ``Mode`` (now ``ProtectionMode``) and ``Admission`` / ``ActiveAdmission`` (now
 ``AdmissionVerdict``) still resolve, with a ``DeprecationWarning``, for one release.

@@ -140,6 +140,20 @@ class DataPlane(FetchPath, HeldPath):
             logger.info("recovered %d chunks from the tiers", n)
         return n
 
+    def adopt_resident(self, entry: ChunkEntry) -> bool:
+        """Take in a chunk whose payload the tiers already hold (``entry``: RESIDENT, at its
+        ``tier``; a manifest import's prefetch): insert it, or upgrade the entry of the same
+        tokens (an OBSERVED one included) to describe that stored copy, RESIDENT. True when the
+        key is new here."""
+        reg = self.index.registry
+        old = reg.peek(entry.key)
+        if old is not None and reg.matches(old, entry.tokens):
+            reg.update(old, source_pos=entry.source_pos, prefix_digest=entry.prefix_digest,
+                       left_context=entry.left_context)
+            reg.set_state(old, EntryState.RESIDENT, entry.tier)
+            return False
+        return reg.insert(entry)
+
     def _tier_of(self, key: bytes) -> str | None:
         tier = self.store.locate(key)
         return tier.value if tier is not None else None

@@ -21,6 +21,8 @@ Public API:
   every commit), ``HeldRuns`` / ``HeldSpan`` (what FetchSession serves), ``kept_sources``,
   the ``Resolver`` the data plane provides.
 * ``ToyPool`` / ``apply_plan``: an independent slot-by-slot pool simulator (tests, reference).
+* ``service.SpliceService``: sessions and Splice transactions behind the RPCs, their outcomes
+  counted in plain ints (``SpliceCounters``) that the server drains into its metrics.
 
 Domain errors come from ``sidecar.errors`` (InvalidArgument, FailedPrecondition, NotFound,
 ResourceExhausted, InvariantViolation); the server maps them to statuses.

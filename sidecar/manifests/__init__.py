@@ -7,6 +7,8 @@
 * ``importer``: ``ManifestImporter`` prefetches chunks whose KV a shared tier holds and puts the
   rest in the ``WarmUpPlan`` (token sequences an engine prefills once and Stores);
 * ``stream``: publish to / read from a Redis stream;
+* ``service``: ``ManifestService``, imports with their scope rules, warm-up plans and export
+  behind the RPCs;
 * ``config``: ``ManifestsConfig`` (the ``manifests`` section; off by default).
 
 Domain code: nothing here imports the server, the client or the engines.

@@ -9,6 +9,7 @@ and the warm-up plan for the rest.
        KV in the remote tier ──> get_many(promote) into the local tiers; registry entry
                                  from the stored metadata (source position, prefix digest,
                                  left context), tokens verified by the stored digest ──> RESIDENT
+                                 (adopted by the data plane: ``DataPlane.adopt_resident``)
        otherwise ──> warm-up plan: token sequences rebuilt from (source_pos, prefix_digest)
                      chains, each a prefix of an original prompt ending at a planned chunk
 
@@ -194,7 +195,7 @@ class ManifestImporter:
                         continue
                     self.plan.context(e)
                     res.outcomes[Outcome.PREFETCHED] += 1
-                    if self._register(entry):
+                    if self.dataplane.adopt_resident(entry):  # the data plane writes RESIDENT
                         new.setdefault(e.identity, []).append(entry)
                     live = self._registry.peek(entry.key)
                     if live is not None:
@@ -226,14 +227,3 @@ class ManifestImporter:
         entry.hits = max(0, e.count - 1)
         entry.first_seen = e.first_seen or entry.first_seen
         return entry
-
-    def _register(self, entry: ChunkEntry) -> bool:
-        """Insert (or upgrade an OBSERVED entry to) RESIDENT; True when the key is new here."""
-        reg = self._registry
-        old = reg.peek(entry.key)
-        if old is not None and reg.matches(old, entry.tokens):
-            reg.update(old, source_pos=entry.source_pos, prefix_digest=entry.prefix_digest,
-                       left_context=entry.left_context)
-            reg.set_state(old, EntryState.RESIDENT, entry.tier)
-            return False
-        return reg.insert(entry)
