@@ -5,8 +5,9 @@ workers fetching what their own TP size stored, in one run.
     ./dev bench tp --quick         # 1K tokens, 4 layers, 1 rep (nothing written)
 
 The sidecar runs in its own process; the workers are this process, one after another, each with
-the vLLM connector's own code (``clients.vllm``): a Llama-3-8B-shaped KV (32 layers, 8 KV heads
-of 128, bf16: 128 KiB per token) in 128-token chunks, stored once by a TP 1 engine and once by
+the vLLM connector's own code (``clients.vllm``, on one intra-op thread as its worker copies):
+a Llama-3-8B-shaped KV (32 layers, 8 KV heads of 128, bf16: 128 KiB per token) in 128-token
+chunks, stored once by a TP 1 engine and once by
 TP 2, 4 and 8 engines (each rank its heads). Every worker loads the whole prompt's chunks
 (exact, raw: the worker would rotate) into its own memory, by each path a worker on the
 sidecar's host can take:
@@ -39,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.dataplane import ANCHOR, CHUNK, GiB, MiB, body, engine_kv, llama3_8b
+from bench.dataplane import ANCHOR, CHUNK, MiB, body, engine_kv, engine_threads, llama3_8b
 from bench.harness import RESULTS, machine, sidecar_process, write_results
 from clients.vllm.jobs import LoadJob
 from clients.vllm.placing import Scratch
@@ -158,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "store.io_timeout_s": 120}
     flags = [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
     rows: list[dict[str, Any]] = []
-    with sidecar_process(*flags) as target, \
+    with engine_threads(1), sidecar_process(*flags) as target, \
             SyncSidecarClient(target, tenant="bench", timeout_s=600, shared_memory=True,
                               shared_memory_max_bytes=model_bytes + 64 * MiB) as c:
         pools = PoolClient(c)

@@ -206,8 +206,9 @@ class WorkerSide:
         across = job.plan_shard is not None and job.plan_shard != (self.shape.planned or self.shape.identity).shard
         pool = self._pool(job.tenant)
         if across:  # another tensor-parallel cut stored the chunks (resharding.py)
-            got = fetch_across(job, self.shape, lambda fn: self.link.call("fetch", job.tenant, fn),
-                               self._reshard_scratch, raw=self.engine_rotates or pool is not None, pool=pool)
+            with single_threaded():  # its joins are many small copies, as the placement's
+                got = fetch_across(job, self.shape, lambda fn: self.link.call("fetch", job.tenant, fn),
+                                   self._reshard_scratch, raw=self.engine_rotates or pool is not None, pool=pool)
             pool = None  # its leases ended with the join
             got = got if got is not None else [(it, None, 0, 0) for it in job.items]
             self.counters["resharded_loads"] += 1
