@@ -57,7 +57,7 @@ from bench import vllm_load
 from bench.harness import RESULTS, machine, sidecar_process, write_results
 from clients.vllm.placing import Scratch
 from clients.vllm.staging import Staging
-from sidecar.api.payload import stacked_view
+from sidecar.payload import stacked_view
 from sidecar.client import SyncSidecarClient
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.rotation.spec import Pairing, RopeSpec, RotaryLayout

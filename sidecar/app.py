@@ -60,7 +60,7 @@ from sidecar.routing.models import ModelCatalog
 from sidecar.server.routing import RoutingHandlers
 from sidecar.server.metrics import Metrics
 from sidecar.server.service import add_service
-from sidecar.server.sessions import SessionHandlers
+from sidecar.server.splice import SessionHandlers
 from sidecar.server.tenancy import Tenancy
 from sidecar.tiers import RemoteEndpoint, Tier, TieredStore
 

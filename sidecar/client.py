@@ -29,7 +29,7 @@ None of the session calls is retried (none is idempotent: a retried Splice would
 pending plan), except ``fetch_session`` (a read).
 """
 
-from sidecar.api.sessions import SessionState
+from sidecar.api.splice import SessionState
 from sidecar.directives import Directive, OpPlan, PlanId, SessionId
 from sidecar.errors import SidecarError
 from sidecar.sdk import (

@@ -11,7 +11,7 @@ each (token, head, dim) of K and V landed. Copies then use those offsets; the co
 layout gets a strided fast path.
 
 Sidecar payloads are ``KVLayout.gqa`` order: per layer, K ``[n, H, D]`` then V ``[n, H, D]``
-(read and written as ``[L, 2, n, H, D]`` with ``sidecar.api.payload.stacked_view`` /
+(read and written as ``[L, 2, n, H, D]`` with ``sidecar.payload.stacked_view`` /
 ``stacked_payload``).
 """
 

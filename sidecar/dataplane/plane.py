@@ -70,7 +70,7 @@ from sidecar.tiers.store_pool import Slot
 
 
 from sidecar.dataplane.fetch import FetchPath, check_layout
-from sidecar.dataplane.held import HeldPath
+from sidecar.dataplane.held_reads import HeldPath
 from sidecar.dataplane.intake import StoreIntake, check_payloads, chunk_sizes
 from sidecar.dataplane.cuts import CutFamilies
 from sidecar.dataplane.pool import PoolPath

@@ -26,7 +26,7 @@ from sidecar.errors import InvalidArgument
 from sidecar.identity import KVLayout
 from sidecar.registry.entry import ChunkEntry
 from sidecar.registry.lookup_plan import FetchSpec
-from sidecar.tiers.codec import payload_nbytes
+from sidecar.payload import payload_nbytes
 
 
 @dataclass(slots=True)

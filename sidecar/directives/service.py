@@ -2,7 +2,7 @@
 setting, outcome counts, expiry.
 
 ``SpliceService`` calls the ``SessionTable`` and counts what happened; the server's handlers
-(``sidecar/server/sessions.py``) convert wire <-> domain around it. It is the only place that
+(``sidecar/server/splice.py``) convert wire <-> domain around it. It is the only place that
 knows how a plan ended, so it keeps a small record per pending plan (mode, tenant, session,
 deadline)::
 

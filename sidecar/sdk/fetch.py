@@ -21,7 +21,7 @@ import numpy as np
 
 from sidecar.api.frames import FetchFrame
 from sidecar.api.kv import CHUNK_OK, fetch_request
-from sidecar.api.sessions import fetch_session_request
+from sidecar.api.splice import fetch_session_request
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.registry.lookup_plan import FetchSpec
 from sidecar.sdk.results import FetchedKV, FetchedRun

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import xxhash
 
-from sidecar.api.payload import as_byte_tensor, is_stacked, stacked_view
+from sidecar.payload import as_byte_tensor, is_stacked, stacked_view
 from sidecar.api.pool import LeasedChunk, leased_from_wire
 from sidecar.errors import NotFound
 from sidecar.identity import CacheIdentity, KVLayout

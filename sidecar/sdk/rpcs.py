@@ -59,7 +59,7 @@ from sidecar.api.manifests import (
     warm_up_plan_from_wire,
     warm_up_plan_request,
 )
-from sidecar.api.sessions import (
+from sidecar.api.splice import (
     abort_splice_request,
     append_session_request,
     close_session_request,

@@ -25,7 +25,7 @@ import grpc
 
 from sidecar.api.kv import FetchRequest, IdentityCache
 from sidecar.api.service import METHOD_NAMES
-from sidecar.api.sessions import FetchSessionRequest
+from sidecar.api.splice import FetchSessionRequest
 from sidecar.api.status import status_for, trailers_for
 from sidecar.errors import InvariantViolation
 from sidecar.limits import TenantLimiter

@@ -90,7 +90,7 @@ from typing import TYPE_CHECKING
 # supervisor need ``StoreConfig``, ``Tier``, the tier list or ``chunk_key``, not torch and
 # LMCache (~1.5 s to import), which only the store and the codec pull in.
 _SOURCES = {
-    "sidecar.tiers.codec": (
+    "sidecar.payload": (
         "KVPayloadView", "PartView", "as_byte_tensor", "decode_payload", "encode_payload", "payload_nbytes",
         "rotary_views",
     ),
@@ -122,7 +122,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from sidecar.tiers.codec import (
+    from sidecar.payload import (
         KVPayloadView,
         PartView,
         as_byte_tensor,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from sidecar.identity import KVLayout
-from sidecar.tiers.codec import payload_nbytes
+from sidecar.payload import payload_nbytes
 from sidecar.tiers.envelope import HEADER_NBYTES, checksum, object_nbytes, write_header
 from sidecar.tiers.errors import CapacityError
 from sidecar.tiers.placement import Entry

@@ -10,7 +10,7 @@ import time
 import torch
 
 from sidecar.identity import KVLayout
-from sidecar.tiers.codec import as_byte_tensor, payload_nbytes
+from sidecar.payload import as_byte_tensor, payload_nbytes
 from sidecar.tiers.envelope import MAX_AUX_BYTES, object_nbytes
 from sidecar.tiers.errors import CapacityError, QuotaExceededError, TierUnavailableError
 from sidecar.tiers.events import Reason

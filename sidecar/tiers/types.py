@@ -94,7 +94,7 @@ class FetchedChunk:
     """One chunk served by ``TieredStore.get_many``.
 
     ``payload`` is a 1-D ``torch.uint8`` CPU tensor the caller owns (writable, not shared with the
-    store): decode it with ``sidecar.tiers.codec.decode_payload`` and rotate its rotary parts in
+    store): decode it with ``sidecar.payload.decode_payload`` and rotate its rotary parts in
     place. ``tier`` is the tier it was served from (before any promotion).
     """
 

@@ -1,11 +1,11 @@
-"""``sidecar.api.payload``: the engine clients' views agree with the codec byte for byte."""
+"""``sidecar.payload``: the engine clients' views agree with the codec byte for byte."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sidecar.api.payload import decode_payload, encode_payload, is_stacked, stacked_payload, stacked_view
+from sidecar.payload import decode_payload, encode_payload, is_stacked, stacked_payload, stacked_view
 from sidecar.identity import KVLayout
 
 

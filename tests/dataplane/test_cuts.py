@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from sidecar.api.payload import stacked_view
+from sidecar.payload import stacked_view
 from sidecar.app import ServerThread
 from sidecar.client import SyncSidecarClient
 from sidecar.cuts import Cut, covering, cut_of, heads_layout

@@ -15,7 +15,7 @@ from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.rotation import Pairing, RopeSpec, RotaryLayout, rotate_keys
 from sidecar.app import create_server
 from sidecar.tiers import StoreConfig
-from sidecar.tiers.codec import decode_payload
+from sidecar.payload import decode_payload
 from tests.conftest import ANCHORS, make_config, message
 
 MiB = 1 << 20

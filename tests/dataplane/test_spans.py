@@ -12,7 +12,7 @@ import torch
 
 from sidecar.dataplane.spans import join, pieces
 from sidecar.identity import KVLayout, KVPart
-from sidecar.tiers.codec import decode_payload, payload_nbytes
+from sidecar.payload import decode_payload, payload_nbytes
 
 LAYOUTS = {
     "gqa": KVLayout.gqa(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32"),

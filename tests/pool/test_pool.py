@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from sidecar.api.payload import stacked_view
+from sidecar.payload import stacked_view
 from sidecar.app import ServerThread
 from sidecar.client import SyncSidecarClient
 from sidecar.config import AuthConfig

@@ -19,7 +19,7 @@ from sidecar.registry.registry import InMemoryRegistry, RegistryConfig
 from sidecar.registry.seeds import interval_bits, unpack
 from sidecar.app import create_server
 from sidecar.tiers import StoreConfig
-from sidecar.tiers.codec import decode_payload
+from sidecar.payload import decode_payload
 from tests.conftest import ANCHORS, make_config, message, text
 from tests.registry.test_compiled_lookup import check_seed_map
 from tests.registry.test_hit_extension import IDENT as KV_IDENT

@@ -200,7 +200,7 @@ def test_sync_client():
 
 
 def test_client_side_directive_checks():
-    from sidecar.api.sessions import directives_to_wire
+    from sidecar.api.splice import directives_to_wire
 
     cases = [
         ([(-1, 2, [])], "directives[0].start"),

@@ -20,7 +20,7 @@ import torch
 
 from sidecar.identity import KVLayout
 from sidecar.tiers import StoreConfig, TieredStore
-from sidecar.tiers.codec import payload_nbytes
+from sidecar.payload import payload_nbytes
 from sidecar.tiers.envelope import HEADER_NBYTES
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sidecar.identity import KVLayout, KVPart
-from sidecar.tiers.codec import decode_payload, encode_payload, payload_nbytes, rotary_views
+from sidecar.payload import decode_payload, encode_payload, payload_nbytes, rotary_views
 
 LAYOUTS = {
     "gqa": KVLayout.gqa(num_layers=3, num_kv_heads=2, head_dim=16, dtype="bfloat16"),
@@ -17,7 +17,7 @@ LAYOUTS = {
 
 def _layers(layout: KVLayout, n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    from sidecar.tiers.codec import TORCH_DTYPES
+    from sidecar.payload import TORCH_DTYPES
 
     out = []
     for _ in range(layout.num_layers):

@@ -13,12 +13,12 @@ engine (``clients/transformers``):
   chunk, rows, target positions; ``gap_start`` / ``gap_end`` where the next hits resume);
   ``load_item(segment)`` for one CHUNK_HIT; ``store_chunks(plan, n=, approximate=, served=)``:
   the chunks to Store after the prefill; ``served_ranges(plan)``.
-* **payload views** (``sidecar.api.payload``, re-exported): ``stacked_view(data, layout, n)``
+* **payload views** (``sidecar.payload``, re-exported): ``stacked_view(data, layout, n)``
   -> ``[L, P, n, *shape]`` (GQA: ``[L, 2, n, H, D]``), ``stacked_payload(rows)`` (the
   inverse), ``decode_payload`` / ``encode_payload`` (per part, any layout), ``as_byte_tensor``.
 """
 
-from sidecar.api.payload import (
+from sidecar.payload import (
     TORCH_DTYPES,
     KVPayloadView,
     as_byte_tensor,

@@ -1,4 +1,5 @@
-"""Payload codec: chunk payload bytes <-> per-layer, per-part KV tensors of a ``KVLayout``.
+"""The KV payload: one chunk's (or one span's) KV bytes for ``n`` tokens of a ``KVLayout``, as
+the tiers store it and every engine client reads and writes it (one format, one decoder).
 
 A payload is the chunk's KV at its source position, layer-major, each part contiguous over the
 chunk's ``n`` tokens (``KVLayout`` docstring)::
@@ -6,12 +7,19 @@ chunk's ``n`` tokens (``KVLayout`` docstring)::
     | layer 0: part 0 [n, *shape0] | part 1 [n, *shape1] | ... | layer 1: part 0 ... |
       ^ byte 0                                                  ^ layer_stride
 
+For GQA / MHA (``KVLayout.gqa``: parts ``k`` and ``v``, both ``[H, D]`` of one dtype) that is
+one ``[L, 2, n, H, D]`` tensor, which is how vLLM's connector, SGLang's radix cache and the
+transformers engine all consume it (``stacked_view``, ``stacked_payload``); layouts whose parts
+differ (MLA: ``c_kv [r]`` and ``k_pe [d]``) are read part by part (``decode_payload``).
+
 ``decode_payload`` returns views into the payload buffer (``torch.frombuffer`` / ``Tensor.view``,
 no copy), so rotating ``rotary_parts()`` in place rewrites the payload the caller streams out.
 A part whose byte offset is not a multiple of its element size (only possible when a 1-byte part
 precedes a wider one with an odd element count) cannot be viewed; it is copied and flagged
-``zero_copy=False``, and ``KVPayloadView.write_back()`` copies such parts back.
+``zero_copy=False``, and ``KVPayloadView.write_back()`` copies such parts back. Every view is
+zero-copy over the caller's buffer: it lives as long as that buffer.
 """
+
 
 from __future__ import annotations
 
@@ -183,3 +191,35 @@ def encode_payload(
         v.tensor.copy_(src)
     view.write_back()
     return out
+
+
+def is_stacked(layout: KVLayout) -> bool:
+    """True when every part has the same shape and dtype (GQA / MHA), so a payload is one
+    ``[layers, parts, n, *shape]`` tensor (``stacked_view``)."""
+    first = layout.parts[0]
+    return all(p.shape == first.shape and p.dtype == first.dtype for p in layout.parts)
+
+
+def stacked_view(data: object, layout: KVLayout, num_tokens: int) -> torch.Tensor:
+    """``data`` (bytes-like, numpy array or tensor) as ``[num_layers, num_parts, num_tokens,
+    *part.shape]`` of the parts' dtype, without a copy: ``[L, 2, n, H, D]`` for ``KVLayout.gqa``
+    (K then V per layer).
+
+    Raises ``ValueError`` when the parts differ in shape or dtype (use ``decode_payload``) or
+    the buffer is not ``payload_nbytes(layout, num_tokens)`` bytes.
+    """
+    if not is_stacked(layout):
+        raise ValueError("kv_layout parts differ in shape or dtype: read the payload with decode_payload")
+    buf = as_byte_tensor(data)
+    expected = payload_nbytes(layout, num_tokens)
+    if buf.numel() != expected:
+        raise ValueError(f"payload is {buf.numel()} bytes but kv_layout x num_tokens ({num_tokens}) needs {expected}")
+    part = layout.parts[0]
+    return buf.view(TORCH_DTYPES[part.dtype]).view(layout.num_layers, len(layout.parts), num_tokens, *part.shape)
+
+
+def stacked_payload(rows: torch.Tensor) -> memoryview:
+    """The inverse of ``stacked_view``: ``[L, P, n, *shape]`` rows (any dtype, CPU) as payload
+    bytes (one copy if ``rows`` is not contiguous, none otherwise)."""
+    t = rows.contiguous()
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")

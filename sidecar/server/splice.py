@@ -1,6 +1,6 @@
 """Sessions and Splice at the edge: OpenSession ... FetchSession (``SessionHandlers``).
 
-Each handler decodes its request (``sidecar.api.sessions``), makes one call to the domain
+Each handler decodes its request (``sidecar.api.splice``), makes one call to the domain
 ``SpliceService`` (``sidecar.directives.service``) and encodes the answer; FetchSession then
 streams the held span's KV that the data plane reads. The service counts plans by mode and
 outcome and committed tokens in plain ints; ``SessionHandlers`` drains them into the
@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-import sidecar.api.sessions as wire
+import sidecar.api.splice as wire
 from sidecar.api.frames import Framer
 from sidecar.api.kv import layout_from_wire, rope_from_wire
-from sidecar.api.sessions import (
+from sidecar.api.splice import (
     directives_from_wire,
     op_plan_to_wire,
     plan_id_from_wire,
@@ -62,7 +62,7 @@ _CLOSED = wire.CloseSessionResponse()
 
 class SessionHandlers:
     """OpenSession / AppendSession / GetSession / CloseSession / Splice / CommitSplice /
-    AbortSplice / FetchSession: wire <-> domain (``sidecar.api.sessions``) around ``SpliceService``."""
+    AbortSplice / FetchSession: wire <-> domain (``sidecar.api.splice``) around ``SpliceService``."""
 
     def __init__(self, edge: Edge, config: SidecarConfig, service: SpliceService, dataplane: DataPlane) -> None:
         self.edge = edge
