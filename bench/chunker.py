@@ -15,7 +15,7 @@ import numpy as np
 
 from bench.harness import machine, pct, time_calls, write_results
 from sidecar.identity import CacheIdentity
-from sidecar.registry.chunker import ChunkerConfig, _boundaries, _U, chunk_tokens, chunk_tokens_reference, warmup
+from sidecar.registry.chunker import _U, ChunkerConfig, _boundaries, chunk_tokens, chunk_tokens_reference, warmup
 
 
 def main() -> None:

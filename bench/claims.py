@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from bench.harness import RESULTS, machine, pct, sidecar_process, time_calls, write_results
+from sidecar.app import ServerThread
 from sidecar.claims import Admit, ClaimsConfig
 from sidecar.client import SyncSidecarClient
 from sidecar.config import SidecarConfig
@@ -42,7 +43,6 @@ from sidecar.errors import ResourceExhausted
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.registry.chunker import ChunkerConfig
 from sidecar.registry.entry import EntryState
-from sidecar.app import ServerThread
 from sidecar.tiers import StoreConfig
 
 BLOCK = 16

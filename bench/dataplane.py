@@ -5,7 +5,7 @@ Store, as GB/s and as a fraction of a plain ``copy_`` of the same bytes, in one 
     ./dev bench dataplane --tokens 4096,8192   # other sizes
     ./dev bench dataplane --quick              # a small smoke run (nothing written)
 
-The sidecar runs in its own process (``bench.harness.sidecar_process``), its CPU tier in the
+The sidecar runs in its own process (``sidecar.process.sidecar_process``), its CPU tier in the
 shared pool (``store.cpu_shared``); the engine is this process. The KV is Llama-3-8B-shaped
 (32 layers x K,V 8 heads x 128, bf16: 128 KiB per token) in 128-token chunks (anchored
 messages), stored once; the engine's KV lives in one ``[L, 2, N, H, D]`` bf16 tensor. Each
@@ -35,8 +35,9 @@ the paths compared interleaved rep by rep, each after a pause for the previous o
 
 ``x_break_even``: GB/s over 3.3 GB/s, the rate at which loading 128 KiB per token costs as much
 as recomputing it on one H100 (Llama-3-8B prefill: ~16 GFLOP per token at ~400 TFLOP/s
-effective, ~40 us per token). The sidecar settings the sizes need (pool size, ``max_fetch_bytes``,
-a lease TTL longer than the slowest read) are in the result file's ``settings``.
+effective, ~40 us per token). Each size runs against its own sidecar; the settings it needs (pool size,
+``max_fetch_bytes``, a lease TTL longer than the slowest read) are in the result file's
+``settings``.
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ from bench import vllm_load
 from bench.harness import RESULTS, machine, sidecar_process, write_results
 from clients.vllm.placing import Scratch
 from clients.vllm.staging import Staging
-from sidecar.payload import stacked_view
 from sidecar.client import SyncSidecarClient
 from sidecar.identity import CacheIdentity, KVLayout
+from sidecar.payload import stacked_view
 from sidecar.rotation.spec import Pairing, RopeSpec, RotaryLayout
 from sidecar.sdk.pool import PoolClient
 
@@ -113,9 +114,7 @@ def copy_seconds(n_bytes_tensor: torch.Tensor, reps: int) -> float:
     src = n_bytes_tensor
     dst = torch.empty_like(src)
     dst.copy_(src)  # pages faulted in
-    best = min(timed(lambda: dst.copy_(src)) for _ in range(max(3, reps)))
-    del dst
-    return best
+    return min(timed(lambda: dst.copy_(src)) for _ in range(max(3, reps)))
 
 
 class Case:
@@ -296,8 +295,9 @@ def vllm_loads(case: Case, reps: int) -> dict[str, dict[str, list[float]]]:
             case.fetch("pool", kind)  # read_into's rows: the reference
             vllm_load.load(case, kind, cache, table, staging, scratch)
             vllm_load.check(case, kind, cache, table, case.staging["pool"])
-            out[name][kind] = [settled(lambda: vllm_load.load(case, kind, cache, table, staging, scratch)) for _ in range(reps)]
-        del cache
+            out[name][kind] = [settled(lambda: vllm_load.load(case, kind, cache, table, staging, scratch))
+                               for _ in range(reps)]
+        cache = None  # its memory goes before the next cache's
         gc.collect()
     return out
 
@@ -380,6 +380,16 @@ def engine_threads(n: int) -> Iterator[None]:
         numba.set_num_threads(old[1])
 
 
+def sidecar_settings(nbytes: int) -> dict[str, Any]:
+    """The sidecar of one size: a pool for two prompts of ``nbytes`` (the stored one and a Store
+    rep's), Fetches of the whole prompt, a lease TTL longer than the slowest read."""
+    return {
+        "chunker.anchor_tokens": [ANCHOR], "chunker.min_size": CHUNK, "chunker.max_size": CHUNK,
+        "store.cpu_bytes": 2 * nbytes + 64 * MiB, "max_fetch_bytes": 2 * nbytes,
+        "store.io_timeout_s": 120, "pool_lease_ttl_s": 60,
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
         args.tokens, args.reps, args.layers = "1024", 1, 4
@@ -388,31 +398,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"--tokens: sizes must be positive multiples of {CHUNK}, got {args.tokens}")
     layout, spec = llama3_8b(args.layers)
     ident = CacheIdentity(model_id="llama3-8b-bench", kv_layout=layout.fingerprint(), rope_fingerprint=spec.fingerprint)
-    biggest = max(sizes) * layout.bytes_per_token
-    settings = {
-        "chunker.anchor_tokens": [ANCHOR], "chunker.min_size": CHUNK, "chunker.max_size": CHUNK,
-        "store.cpu_bytes": 2 * biggest + 64 * MiB, "max_fetch_bytes": 2 * biggest,
-        "store.io_timeout_s": 120, "pool_lease_ttl_s": 60,
-    }
-    flags = [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
-    seg_bytes = biggest + 64 * MiB  # the segment buffer grows to hold the largest Fetch
     results: dict[str, dict] = {}
-    with sidecar_process(*flags) as target, \
-            SyncSidecarClient(target, tenant="bench", timeout_s=600) as c, \
-            SyncSidecarClient(target, tenant="bench", timeout_s=600, shared_memory=False) as stream:
-        pool = PoolClient(c)
-        if not pool.available:
-            raise RuntimeError("the sidecar has no shared pool to map (store.cpu_shared, /dev/shm)")
-        rng = np.random.default_rng(0)
-        for n in sizes:
-            # the same-host default client, one per size: its segment buffer is dropped after the Fetches
-            with SyncSidecarClient(target, tenant="bench", timeout_s=600, shared_memory=True,
-                                   shared_memory_max_bytes=seg_bytes) as seg:
-                case = Case(c, seg, stream, pool, layout, spec, ident, n, rng)
-                results[str(n)] = run_size(case, args.reps)
-                del case
-            gc.collect()
-            print(table({str(n): results[str(n)]}), flush=True)
+    rng = np.random.default_rng(0)
+    for n in sizes:  # a sidecar per size, its pool sized for it: memory stays bounded
+        nbytes = n * layout.bytes_per_token
+        settings = sidecar_settings(nbytes)
+        flags = [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
+        with sidecar_process(*flags) as target, \
+                SyncSidecarClient(target, tenant="bench", timeout_s=600) as c, \
+                SyncSidecarClient(target, tenant="bench", timeout_s=600, shared_memory=False) as stream, \
+                SyncSidecarClient(target, tenant="bench", timeout_s=600, shared_memory=True,
+                                  shared_memory_max_bytes=nbytes + 64 * MiB) as seg:
+            pool = PoolClient(c)
+            if not pool.available:
+                raise RuntimeError("the sidecar has no shared pool to map (store.cpu_shared, /dev/shm)")
+            case = Case(c, seg, stream, pool, layout, spec, ident, n, rng)
+            results[str(n)] = run_size(case, args.reps)
+            del case
+            if pool.mapped is not None:
+                pool.mapped.close()  # the pool file goes with its sidecar: unmapped here too
+        gc.collect()
+        print(table({str(n): results[str(n)]}), flush=True)
+    settings = {str(n): sidecar_settings(n * layout.bytes_per_token) for n in sizes}
+    seg_bytes = {str(n): n * layout.bytes_per_token + 64 * MiB for n in sizes}  # the segment buffer's cap
     out = {
         "machine": machine(),
         "settings": {"layout": f"gqa {args.layers} layers x K,V 8 x 128 bf16", "bytes_per_token": layout.bytes_per_token,

@@ -155,8 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bench.harness import machine
     from bench.tokenizer import ChatTemplate
     from clients.transformers.fidelity import DISCLAIMER
-    from sidecar.client import SyncSidecarClient
     from sidecar.app import ServerThread
+    from sidecar.client import SyncSidecarClient
 
     t0 = time.perf_counter()
     template = ChatTemplate()

@@ -85,8 +85,8 @@ def rope_specs():
 
 
 def check_rotation(tokens: int) -> tuple[list[dict], bool]:
-    from sidecar.rotation import rotate_keys, rotate_keys_native
     from sidecar.rotation import cuda as rotation_cuda
+    from sidecar.rotation import rotate_keys, rotate_keys_native
 
     rows, ok = [], True
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -237,12 +237,11 @@ def check_pool_loads(pool, header: int, nbytes: int, device: str) -> tuple[dict,
     chunks of 128 tokens viewed in the pool, every other one shifted, into a standard cache on
     ``device``, straight from the registered pool and through the pinned buffer; both must
     equal the same load into a CPU cache. On CUDA, timed (the pool path over the staged one)."""
-    from sidecar.identity import KVLayout
-
     from clients.vllm.layouts import PagedSpec, StandardKV
     from clients.vllm.placing import Scratch, place
     from clients.vllm.rows import GqaRows
     from clients.vllm.staging import Staging
+    from sidecar.identity import KVLayout
 
     tokens, block = 128, 16
     layers = max(1, min(32, nbytes // (4 * tokens * 4096)))  # at least 4 chunks in the pool

@@ -5,7 +5,7 @@ payloads), Fetch and Splice, stepped over concurrency to find the knee.
     ./dev bench load --clients 16 --step-s 60 # one step
     ./dev bench load --profile                # one extra 16-client step with the server under cProfile
 
-The sidecar runs in its own process (``bench.harness.sidecar_process``: its own interpreter and
+The sidecar runs in its own process (``sidecar.process.sidecar_process``: its own interpreter and
 GIL, as deployed) with bounded capacities (CPU tier 64 MiB, 20,000 registry entries), so memory
 must level off once they fill. The clients are asyncio tasks in this process, one channel each.
 Every client is one of 4 tenants; each iteration it builds a prompt (its tenant's system prefix,

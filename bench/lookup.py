@@ -30,11 +30,11 @@ import grpc
 import numpy as np
 
 from bench.harness import RESULTS, machine, pct, sidecar_process, time_calls, write_results
+from sidecar.api.kv import identity_to_wire, lookup_plan_from_wire
 from sidecar.client import SyncSidecarClient
 from sidecar.identity import CacheIdentity
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
-from sidecar.api.kv import identity_to_wire, lookup_plan_from_wire
 
 ANCHORS = (151644, 151645)
 
@@ -60,11 +60,11 @@ def breakdown(sizes: list[int], reps: int) -> dict:
     window scan alone (``seed_windows``). Minimum and median microseconds over ``reps`` after
     warm-up, the phases interleaved."""
     from sidecar.api.kv import lookup_plan_to_wire
+    from sidecar.app import ServerThread
     from sidecar.config import load_config
     from sidecar.registry.chunk_index import ChunkIndex
     from sidecar.registry.registry import InMemoryRegistry, RegistryConfig
     from sidecar.registry.seeds import windows
-    from sidecar.app import ServerThread
 
     phases = ("decode", "lookup", "to_wire", "serialize", "metrics", "chunk", "reference", "miss", "miss_no_seeds",
               "seed_windows")

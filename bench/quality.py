@@ -375,15 +375,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.seed_plans:
         return seed_plans(args.model, questions, args.seed)
 
+    import torch
+
     from bench.fidelity_config import sidecar_config
     from bench.harness import machine
     from bench.hf_chat import HFChatTemplate
     from clients.transformers import FAST_ATTENTION, INVARIANT_ATTENTION, load_model, load_tokenizer
     from clients.transformers.fidelity import SWEEP_ARMS
-    from sidecar.client import SyncSidecarClient
     from sidecar.app import ServerThread
-
-    import torch
+    from sidecar.client import SyncSidecarClient
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -42,6 +42,18 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.recovery_arms import (
+    EXACT_BLOCK,
+    LMCACHE_CHUNK,
+    MIN_FETCH_TOKENS,
+    ORACLE_WINDOW,
+    LMCacheArm,
+    PolyHasher,
+    SidecarArm,
+    SidecarCounts,
+    exact_prefix_hits,
+    oracle_hits,
+)
 from bench.tokenizer import ANCHOR_TOKENS, ChatTemplate
 from bench.workloads import TextPool, TruncateOldToolOutputs, Workload, default_suite, trace_workload
 from bench.workloads.synthetic import AGENT_META_HEADERS, DEFAULT_REQUESTS
@@ -52,18 +64,6 @@ TRACE_NAMES = ("tau_bench", "mini_swe")
 #: ``--quick`` replays this many trajectories per trace file; the default run replays all of them.
 QUICK_TRACE_LIMITS = {"tau_bench": 8, "mini_swe": 3}
 
-from bench.recovery_arms import (
-    EXACT_BLOCK,
-    LMCACHE_CHUNK,
-    LMCacheArm,
-    MIN_FETCH_TOKENS,
-    ORACLE_WINDOW,
-    PolyHasher,
-    SidecarArm,
-    SidecarCounts,
-    exact_prefix_hits,
-    oracle_hits,
-)
 
 
 @dataclass(frozen=True, kw_only=True)

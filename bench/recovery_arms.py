@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
-
 EXACT_BLOCK = 16
 LMCACHE_CHUNK = 256
 ORACLE_WINDOW = 64
@@ -258,9 +256,9 @@ class SidecarArm:
         return sum(len(r) for r in requests) / max(chunks, 1)
 
     def run(self, requests: Sequence[np.ndarray], engine_prefix: np.ndarray) -> SidecarCounts:
+        from sidecar.app import ServerThread
         from sidecar.client import SyncSidecarClient
         from sidecar.identity import CacheIdentity
-        from sidecar.app import ServerThread
 
         ident = CacheIdentity(model_id="bench")
         n = len(requests)

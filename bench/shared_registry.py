@@ -31,11 +31,11 @@ import redis
 
 from bench.harness import bench_redis, machine, pct, sidecar_process, time_calls, write_results
 from bench.lookup import ANCHORS, conversation
+from sidecar.api.kv import identity_to_wire, lookup_plan_from_wire
 from sidecar.client import SyncSidecarClient
 from sidecar.identity import CacheIdentity
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
-from sidecar.api.kv import identity_to_wire, lookup_plan_from_wire
 
 
 def main() -> None:

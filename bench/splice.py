@@ -98,9 +98,9 @@ class SpliceMeter:
 
 
 def planning(args: argparse.Namespace) -> dict:
+    from sidecar.api.splice import directives_from_wire, directives_to_wire, op_plan_to_wire
     from sidecar.client import SyncSidecarClient
     from sidecar.directives import SessionId, SessionMirror, plan_splice
-    from sidecar.api.splice import directives_from_wire, directives_to_wire, op_plan_to_wire
 
     rng = np.random.default_rng(0)
     n = PLAN_TOKENS

@@ -23,9 +23,9 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np

@@ -44,8 +44,8 @@ from bench.dataplane import ANCHOR, CHUNK, MiB, body, engine_kv, engine_threads,
 from bench.harness import RESULTS, machine, sidecar_process, write_results
 from clients.vllm.jobs import LoadJob
 from clients.vllm.placing import Scratch
-from clients.vllm.rows import GqaRows
 from clients.vllm.resharding import fetch_across
+from clients.vllm.rows import GqaRows
 from clients.vllm.settings import EngineShape, shard_name
 from sidecar.client import SyncSidecarClient
 from sidecar.cuts import heads_layout

@@ -70,8 +70,8 @@ import numpy as np
 
 from bench.ttft_workloads import (
     ARMS,
-    BenchWorkload,
     PROFILES,
+    BenchWorkload,
     build_workloads,
 )
 

@@ -38,9 +38,7 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -48,22 +46,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from bench.harness import server_python, sidecar_process
+from clients.vllm.run import model_dir, run_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-
-
-def model_dir() -> str:
-    """SmolLM2-135M-Instruct as a Hugging Face directory for vLLM (``clients.transformers.hf_directory``
-    runs in the main environment, which has transformers' GGUF support); ``KV_SIDECAR_VLLM_MODEL``
-    overrides."""
-    env = os.environ.get("KV_SIDECAR_VLLM_MODEL")
-    if env:
-        return env
-    out = subprocess.run([server_python(), "-c",
-                          "from clients.transformers import hf_directory; print(hf_directory('smollm2'))"],
-                         cwd=ROOT, capture_output=True, text=True, check=True)
-    return out.stdout.strip().splitlines()[-1]
 
 
 #: SmolLM2's context (vLLM's max_model_len here); agent_meta's body is ~5K tokens, not
@@ -96,25 +82,6 @@ def workloads(model: str, args: argparse.Namespace) -> list[tuple[str, str, list
         out.append((f"trace:{name}[truncated]", f"calls {idx[0]}..{idx[-1]} of a {name} trajectory, old tool "
                     "outputs truncated (the last calls that fit the context)", reqs))
     return out
-
-
-def run_engine(spec: dict[str, Any], threads: int = 2, *, multiprocess: bool = False,
-               timeout: float | None = None) -> dict[str, Any]:
-    """One fresh vLLM engine (its own process: an empty local prefix cache) over ``spec``
-    (``clients.vllm.run``); its JSON result plus its log (``"log"``)."""
-    with tempfile.TemporaryDirectory() as d:
-        sp, op = Path(d) / "spec.json", Path(d) / "out.json"
-        sp.write_text(json.dumps(spec))
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
-               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-               "OMP_NUM_THREADS": str(threads)}
-        proc = subprocess.run([sys.executable, "-m", "clients.vllm.run", str(sp), str(op)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0 or not op.exists():
-            raise RuntimeError(f"engine run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
-        out = json.loads(op.read_text())
-        out["log"] = proc.stderr
-        return out
 
 
 def _p50(xs: Sequence[float]) -> float | None:

@@ -31,15 +31,11 @@ from pathlib import Path
 
 import torch
 
-from clients.vllm.layouts import LatentKV, PagedSpec, StandardKV
+from clients.vllm.layouts import KV_CACHE_LAYOUTS, LatentKV, PagedSpec, StandardKV, kv_cache_views
 from clients.vllm.paged import single_threaded
 
 RESULTS = Path(__file__).resolve().parent / "results"
-#: vLLM's KVCacheLayout values (vllm/v1/kv_cache_layout.py): physical order of the logical axes
-LAYOUTS = {
-    "LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
-    "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4),
-}
+LAYOUTS = KV_CACHE_LAYOUTS
 LAYERS, BLOCKS, BLOCK_SIZE, RUN_TOKENS = 8, 512, 16, 4096
 GOAL = 0.5
 
@@ -57,16 +53,8 @@ def specs(block_size: int) -> dict[str, PagedSpec]:
 
 def build(spec: PagedSpec, order: tuple[int, ...], device: str, layers: int = LAYERS,
           blocks: int = BLOCKS) -> list[torch.Tensor]:
-    """A zeroed cache as vLLM builds one: one flat buffer, per-layer logical ``[B, H, N, C]``
-    views whose strides follow ``order`` (a ``KVCacheLayout`` permutation of ``[L, B, H, N, C]``)."""
-    shape = (layers, blocks, spec.num_heads, spec.block_size, spec.content)
-    strides = [0] * 5
-    step = 1
-    for dim in reversed(order):
-        strides[dim] = step
-        step *= shape[dim]
-    raw = torch.zeros(step, dtype=spec.dtype, device=device)
-    return [torch.as_strided(raw, shape[1:], strides[1:], storage_offset=i * strides[0]) for i in range(layers)]
+    """``kv_cache_views`` with this benchmark's defaults."""
+    return kv_cache_views(spec, order, device, layers, blocks)
 
 
 def timed(fn, reps: int, sync) -> float:

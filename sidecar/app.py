@@ -34,6 +34,7 @@ from grpc_reflection.v1alpha import reflection
 
 from sidecar import __version__
 from sidecar.api.kv import RequestLimits
+from sidecar.api.service import INDEXER_METHODS, INDEXER_SERVICE_NAME, SERVICE_NAME
 from sidecar.auth.tls import server_credentials
 from sidecar.claims import ClaimLedger
 from sidecar.claims.service import ClaimsService
@@ -48,17 +49,16 @@ from sidecar.registry.chunker import warmup
 from sidecar.registry.lookup_kernel import warmup as compiled_warmup
 from sidecar.registry.registry import InMemoryRegistry
 from sidecar.registry.shared import SharedRegistry
+from sidecar.routing.fleet import Fleet
+from sidecar.routing.models import ModelCatalog
 from sidecar.server.claims import ClaimHandlers
-from sidecar.api.service import INDEXER_METHODS, INDEXER_SERVICE_NAME, SERVICE_NAME
 from sidecar.server.edge import Edge
 from sidecar.server.kv import KVHandlers
 from sidecar.server.manifests import ManifestHandlers
+from sidecar.server.metrics import Metrics
 from sidecar.server.pool import PoolHandlers
 from sidecar.server.pool import run_reaper as run_pool_reaper
-from sidecar.routing.fleet import Fleet
-from sidecar.routing.models import ModelCatalog
 from sidecar.server.routing import RoutingHandlers
-from sidecar.server.metrics import Metrics
 from sidecar.server.service import add_service
 from sidecar.server.splice import SessionHandlers
 from sidecar.server.tenancy import Tenancy

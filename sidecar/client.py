@@ -32,6 +32,7 @@ pending plan), except ``fetch_session`` (a read).
 from sidecar.api.splice import SessionState
 from sidecar.directives import Directive, OpPlan, PlanId, SessionId
 from sidecar.errors import SidecarError
+from sidecar.routing.score import ReplicaScore, ScoreResult
 from sidecar.sdk import (
     AdmitActiveResult,
     ClaimDecision,
@@ -51,8 +52,6 @@ from sidecar.sdk import (
     WarmUpResult,
     WatchedEvent,
 )
-from sidecar.routing.score import ReplicaScore, ScoreResult
-from sidecar.sdk.router import Route, Router, RouterConfig  # the reference router (docs/routing.md)
 from sidecar.sdk.policy import (  # the Policy SDK: message-list rewrites -> directives
     EditPolicy,
     MessageDiff,
@@ -64,6 +63,7 @@ from sidecar.sdk.policy import (  # the Policy SDK: message-list rewrites -> dir
     diff_directives,
     edit_turn,
 )
+from sidecar.sdk.router import Route, Router, RouterConfig  # the reference router (docs/routing.md)
 
 __all__ = [
     "AdmitActiveResult",

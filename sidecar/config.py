@@ -23,11 +23,11 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from sidecar.limits import LimitsConfig
 from sidecar.auth.tls import TlsConfig
 from sidecar.auth.tokens import parse_entry
 from sidecar.claims.config import ClaimsConfig
 from sidecar.directives import SessionConfig
+from sidecar.limits import LimitsConfig
 from sidecar.manifests.config import ManifestsConfig
 from sidecar.registry.chunker import ChunkerConfig
 from sidecar.registry.lookup_plan import AdmissionPolicy, RepairScope

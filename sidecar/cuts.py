@@ -46,21 +46,6 @@ def cut_of(shard: str) -> Cut | None:
     return Cut(rank, size, rest[0] if rest else "")
 
 
-def cut_of(shard: str) -> Cut | None:
-    """The cut a shard name describes (None: not a name this module reads)."""
-    parts = shard.split(".") if shard else []
-    tp = [p for p in parts if _TP.fullmatch(p)]
-    rest = [p for p in parts if not _TP.fullmatch(p)]
-    if len(tp) > 1 or len(rest) > 1 or (rest and not rest[0].startswith("pp")):
-        return None
-    if not tp:
-        return Cut(0, 1, rest[0] if rest else "")
-    rank, size = map(int, _TP.fullmatch(tp[0]).groups())
-    if not (size > 1 and 0 <= rank < size):
-        return None
-    return Cut(rank, size, rest[0] if rest else "")
-
-
 #: the identity fields two cuts of one model share (``kv_layout`` holds the rank's heads)
 MODEL_FIELDS = ("model_id", "weights_hash", "tokenizer_hash", "rope_fingerprint", "block_size", "namespace")
 

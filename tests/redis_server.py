@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from bench.harness import stop_process
+from sidecar.process import stop_process
 
 DEFAULT_IMAGE = "redis:7.4.2-alpine"  # the image deploy/docker-compose.yml runs
 

@@ -323,3 +323,34 @@ def test_file_length() -> None:
     if long:
         pytest.fail(f"files over {MAX_LINES} lines whose module docstring does not say why ('{LONG_FILE_PHRASE}: "
                     "<reason>'); split them or give the reason:\n" + "\n".join(long), pytrace=False)
+
+
+# ------------------------------------------------------------------ tests and benchmarks
+
+#: test files that still draw test data from the benchmarks' chat templates and workload
+#: generators (``bench.tokenizer``, ``bench.hf_chat``, ``bench.workloads``, ``bench.rotation``)
+BENCH_DATA_USERS = {
+    "tests/clients/transformers/test_real_model.py",
+    "tests/rotation/test_drift.py",
+    "tests/sdk/test_policy.py",
+}
+
+
+def test_tests_never_import_bench():
+    """What a test and a benchmark share lives in the product (``sidecar.process``,
+    ``clients.vllm.run``, ``clients.vllm.layouts``); only the benchmarks' own tests
+    (tests/bench/) import ``bench``, and the files of ``BENCH_DATA_USERS`` until their data
+    generators move."""
+    offenders: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("tests/bench/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            for name in names:
+                if name == "bench" or name.startswith("bench."):
+                    offenders.setdefault(rel, []).append(f"line {node.lineno}: {name}")
+    assert set(offenders) - BENCH_DATA_USERS == set(), {k: v for k, v in offenders.items() if k not in BENCH_DATA_USERS}
+    assert BENCH_DATA_USERS <= set(offenders), f"no longer importing bench (drop from the list): {BENCH_DATA_USERS - set(offenders)}"

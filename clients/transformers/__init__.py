@@ -21,6 +21,17 @@ import warnings
 
 from clients.transformers.cache import SequenceCache
 from clients.transformers.engine import Engine
+from clients.transformers.kv import KVAdapter
+from clients.transformers.models import (
+    FAST_ATTENTION,
+    INVARIANT_ATTENTION,
+    build_model,
+    deepseek_v2_config,
+    default_device,
+    llama_config,
+    load_model,
+    weights_fingerprint,
+)
 from clients.transformers.options import (
     CACHE_OFF,
     EXACT_PREFIX,
@@ -35,19 +46,7 @@ from clients.transformers.options import (
     Scored,
     Timings,
 )
-from clients.transformers.kv import KVAdapter
-from clients.transformers.models import (
-    FAST_ATTENTION,
-    INVARIANT_ATTENTION,
-    build_model,
-    deepseek_v2_config,
-    default_device,
-    llama_config,
-    load_model,
-    weights_fingerprint,
-)
 from clients.transformers.prefix_cache import PrefixCache
-from sidecar.models import STANDARD_MODEL, hf_directory, load_tokenizer
 from clients.transformers.splice import (
     PlanNotApplicable,
     SpliceResult,
@@ -56,6 +55,7 @@ from clients.transformers.splice import (
     clone_cache,
     splice_cache,
 )
+from sidecar.models import STANDARD_MODEL, hf_directory, load_tokenizer
 from sidecar.registry.anchors import anchor_token_ids
 
 __all__ = [

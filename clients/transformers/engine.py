@@ -34,6 +34,25 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from clients.transformers.attention import MIN_ROWS
+from clients.transformers.attention import NAME as INVARIANT_ATTENTION
+from clients.transformers.cache import SequenceCache
+from clients.transformers.kv import KVAdapter
+from clients.transformers.models import weights_fingerprint
+from clients.transformers.options import (
+    ActiveAdmission,
+    ActiveRefused,
+    Generation,
+    PrefillResult,
+    ReusePolicy,
+    Rotation,
+    Sampling,
+    Scored,
+    Step,
+    Timings,
+    _as_tokens,
+)
+from clients.transformers.prefix_cache import PrefixCache
 from sidecar.client import FetchedKV, SyncSidecarClient
 from sidecar.identity import CacheIdentity
 from sidecar.registry.anchors import anchor_token_ids
@@ -41,26 +60,6 @@ from sidecar.registry.lookup_plan import Fidelity, LookupPlan, Segment, SegmentK
 from sidecar.rotation import RopeSpec
 from sidecar.sdk.kit import is_stacked, store_chunks
 from sidecar.sdk.pool import PoolClient
-
-from clients.transformers.attention import MIN_ROWS, NAME as INVARIANT_ATTENTION
-from clients.transformers.cache import SequenceCache
-from clients.transformers.kv import KVAdapter
-from clients.transformers.models import weights_fingerprint
-from clients.transformers.prefix_cache import PrefixCache
-
-from clients.transformers.options import (
-    Rotation,
-    ReusePolicy,
-    Sampling,
-    Timings,
-    Step,
-    PrefillResult,
-    Generation,
-    Scored,
-    _as_tokens,
-    ActiveAdmission,
-    ActiveRefused,
-)
 
 
 class Engine:

@@ -30,11 +30,10 @@ from typing import Any
 
 import torch
 
+from clients.transformers.cache import SequenceCache
 from sidecar.identity import KVLayout, KVPart
 from sidecar.rotation import RopeSpec, RotaryLayout, rotate_keys
 from sidecar.sdk.kit import TORCH_DTYPES, KVPayloadView, decode_payload, encode_payload, is_stacked, stacked_view
-
-from clients.transformers.cache import SequenceCache
 
 _DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 

@@ -11,11 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from clients.transformers.cache import SequenceCache
 from sidecar.client import FetchedKV
 from sidecar.registry.lookup_plan import Fidelity, LookupPlan
-
-from clients.transformers.cache import SequenceCache
-
 
 
 class Rotation(str, Enum):

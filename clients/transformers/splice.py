@@ -58,6 +58,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from clients.transformers.attention import MIN_ROWS
+from clients.transformers.cache import SequenceCache
+from clients.transformers.engine import Engine, _select
+from clients.transformers.options import PrefillResult, ReusePolicy, Sampling, _as_tokens
 from sidecar.directives import (
     DEFAULT_REFRESH_AFTER,
     Directive,
@@ -70,11 +74,6 @@ from sidecar.directives import (
     validate_directives,
 )
 from sidecar.rotation import rotate_keys
-
-from clients.transformers.attention import MIN_ROWS
-from clients.transformers.cache import SequenceCache
-from clients.transformers.engine import Engine, _select
-from clients.transformers.options import PrefillResult, ReusePolicy, Sampling, _as_tokens
 
 
 class PlanNotApplicable(ValueError):

@@ -33,9 +33,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from sidecar.sdk.kit import FailSoftLink
-
     from clients.vllm.settings import Settings
+    from sidecar.sdk.kit import FailSoftLink
 
 log = logging.getLogger("clients.vllm")
 

@@ -72,7 +72,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -99,19 +98,19 @@ from clients.vllm.stats import SidecarConnectorStats, StatsInterval, snapshot
 # start-up scans sys.modules for Triton kernels, and that scan crashes on llvmlite's objects
 # (see settings.py). Building a role happens after the scan.
 if TYPE_CHECKING:
-    from sidecar.sdk.kit import FailSoftLink
-
-    from clients.vllm.jobs import LoadJob, StoreJob
-    from clients.vllm.requests import SchedulerHooks
-    from clients.vllm.scheduler_side import SchedulerSide
-    from clients.vllm.settings import EngineShape
-    from clients.vllm.worker_side import WorkerSide
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+    from clients.vllm.jobs import LoadJob, StoreJob
+    from clients.vllm.requests import SchedulerHooks
+    from clients.vllm.scheduler_side import SchedulerSide
+    from clients.vllm.settings import EngineShape
+    from clients.vllm.worker_side import WorkerSide
+    from sidecar.sdk.kit import FailSoftLink
 
 log = logging.getLogger("clients.vllm")
 

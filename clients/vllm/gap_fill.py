@@ -38,9 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sidecar.registry.lookup_plan import SegmentKind
-
 from clients.vllm.settings import PARAM_GAP_FILL, PARAM_TENANT
+from sidecar.registry.lookup_plan import SegmentKind
 
 if TYPE_CHECKING:
     from clients.vllm.requests import RequestState, SchedulerHooks

@@ -42,7 +42,8 @@ import torch
 
 from clients.vllm.refusals import Refused
 
-__all__ = ["SUPPORTED_DTYPES", "LatentKV", "PagedSpec", "Run", "StandardKV", "UnsupportedLayout", "runs", "slots"]
+__all__ = ["KV_CACHE_LAYOUTS", "SUPPORTED_DTYPES", "LatentKV", "PagedSpec", "Run", "StandardKV", "UnsupportedLayout",
+           "kv_cache_views", "runs", "slots"]
 
 SUPPORTED_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
 
@@ -276,3 +277,26 @@ class LatentKV(_ViewCache):
             out[run.head:run.head + nfull * B].view(nfull, B, -1).copy_(t.index_select(0, run.full)[:, 0])
         if len(run.edge_tokens):
             out[run.edge_tokens] = t[run.edge_blocks, 0, run.edge_offsets]
+
+
+#: vLLM's ``KVCacheLayout`` values (vllm/v1/kv_cache_layout.py): the physical order of the
+#: logical axes ``[L, B, H, N, C]`` of a cache group's one flat buffer
+KV_CACHE_LAYOUTS = {
+    "LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4),
+}
+
+
+def kv_cache_views(spec: PagedSpec, order: tuple[int, ...], device: str, layers: int,
+                   blocks: int) -> list[torch.Tensor]:
+    """A zeroed cache as vLLM builds one: one flat buffer, per-layer logical ``[B, H, N, C]``
+    views whose strides follow ``order`` (a ``KV_CACHE_LAYOUTS`` permutation of ``[L, B, H, N, C]``)."""
+    shape = (layers, blocks, spec.num_heads, spec.block_size, spec.content)
+    strides = [0] * 5
+    step = 1
+    for dim in reversed(order):
+        strides[dim] = step
+        step *= shape[dim]
+    raw = torch.zeros(step, dtype=spec.dtype, device=device)
+    return [torch.as_strided(raw, shape[1:], strides[1:], storage_offset=i * strides[0]) for i in range(layers)]
+

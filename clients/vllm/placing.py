@@ -27,11 +27,10 @@ import torch
 from clients.vllm.rows import GqaRows
 
 if TYPE_CHECKING:
-    from sidecar.identity import KVLayout
-    from sidecar.rotation import RopeSpec
-
     from clients.vllm.cache_view import CacheView
     from clients.vllm.staging import Staging
+    from sidecar.identity import KVLayout
+    from sidecar.rotation import RopeSpec
 
 Item = tuple[int, int, torch.Tensor, int]
 

@@ -21,16 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from clients.vllm.rows import GqaRows
 from sidecar.cuts import covering, cut_of, heads_layout
 
-from clients.vllm.rows import GqaRows
-
 if TYPE_CHECKING:
-    from sidecar.sdk.pool import PoolClient
-
     from clients.vllm.jobs import LoadJob
     from clients.vllm.placing import Scratch
     from clients.vllm.settings import EngineShape
+    from sidecar.sdk.pool import PoolClient
 
 
 def fetch_across(job: "LoadJob", shape: "EngineShape", call: Any, scratch: "Scratch", *, raw: bool,

@@ -2,7 +2,8 @@
 
 ``python -m clients.vllm.run SPEC.json OUT.json``: one process = one engine with an empty local
 cache, so two runs are an engine restart. The tests (tests/real_engines) and the benchmark
-(bench/vllm.py) drive engines through it. SPEC::
+(bench/vllm.py) drive engines through it (``run_engine``; ``model_dir`` builds the project's
+standard model's directory). SPEC::
 
     {"model": "/path/to/hf-dir",
      "sidecar": "127.0.0.1:PORT" | null,          # null: vLLM without the connector
@@ -27,11 +28,50 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
+from sidecar.process import server_python
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def model_dir() -> str:
+    """SmolLM2-135M-Instruct as a Hugging Face directory for vLLM (``clients.transformers.hf_directory``
+    runs in the main environment, which has transformers' GGUF support); ``KV_SIDECAR_VLLM_MODEL``
+    overrides."""
+    env = os.environ.get("KV_SIDECAR_VLLM_MODEL")
+    if env:
+        return env
+    out = subprocess.run([server_python(), "-c",
+                          "from clients.transformers import hf_directory; print(hf_directory('smollm2'))"],
+                         cwd=ROOT, capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def run_engine(spec: dict[str, Any], threads: int = 2, *, multiprocess: bool = False,
+               timeout: float | None = None) -> dict[str, Any]:
+    """One fresh vLLM engine (its own process: an empty local prefix cache) over ``spec`` (this
+    module's ``main``); its JSON result plus its log (``"log"``)."""
+    with tempfile.TemporaryDirectory() as d:
+        sp, op = Path(d) / "spec.json", Path(d) / "out.json"
+        sp.write_text(json.dumps(spec))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+               "OMP_NUM_THREADS": str(threads)}
+        proc = subprocess.run([sys.executable, "-m", "clients.vllm.run", str(sp), str(op)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0 or not op.exists():
+            raise RuntimeError(f"engine run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+        out = json.loads(op.read_text())
+        out["log"] = proc.stderr
+        return out
 
 
 def build_llm(spec: dict[str, Any]):

@@ -31,19 +31,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sidecar.sdk.kit import load_run, store_chunks
-
 from clients.vllm import directives
 from clients.vllm.admit_gate import AdmitGate
 from clients.vllm.gap_fill import GapFill
 from clients.vllm.jobs import LoadJob, StepJobs, StoreJob
 from clients.vllm.requests import RequestState, SchedulerHooks
 from clients.vllm.settings import PARAM_GAP_FILL, PARAM_TENANT
+from sidecar.sdk.kit import load_run, store_chunks
 
 if TYPE_CHECKING:
-    from sidecar.sdk.kit import FailSoftLink
-
     from clients.vllm.settings import EngineShape, Settings
+    from sidecar.sdk.kit import FailSoftLink
 
 log = logging.getLogger("clients.vllm")
 

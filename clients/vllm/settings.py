@@ -30,9 +30,8 @@ if TYPE_CHECKING:
 
 import xxhash
 
-from sidecar.identity import CacheIdentity, KVLayout
-
 from clients.vllm.refusals import Refused
+from sidecar.identity import CacheIdentity, KVLayout
 
 # sidecar.rotation is imported lazily (engine_shape): it loads numba/llvmlite, and vLLM 0.32's
 # worker start-up scans every module in sys.modules for Triton kernels and crashes on

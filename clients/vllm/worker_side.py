@@ -43,8 +43,8 @@ import numpy as np
 import torch
 
 from clients.vllm.cache_view import CacheView
-from clients.vllm.layouts import LatentKV, PagedSpec, StandardKV, UnsupportedLayout
 from clients.vllm.jobs import LoadJob, StoreJob
+from clients.vllm.layouts import LatentKV, PagedSpec, StandardKV, UnsupportedLayout
 from clients.vllm.paged import BlockLayout, PagedKV, single_threaded
 from clients.vllm.placing import Scratch, place
 from clients.vllm.refusals import Refused
@@ -55,11 +55,10 @@ from clients.vllm.staging import Staging
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
+    from clients.vllm.settings import EngineShape, Settings
     from sidecar.rotation import RopeSpec
     from sidecar.sdk.kit import FailSoftLink
     from sidecar.sdk.pool import PoolClient
-
-    from clients.vllm.settings import EngineShape, Settings
 
 log = logging.getLogger("clients.vllm")
 

@@ -15,7 +15,14 @@ from google.protobuf.descriptor import FieldDescriptor as _FieldDescriptor
 
 from sidecar.errors import InvalidArgument
 from sidecar.identity import CacheIdentity, KVLayout, KVPart
-from sidecar.registry.lookup_plan import SEGMENT_FIELDS, AdmissionPolicy, FetchSpec, LookupPlan, LookupSummary, RepairScope
+from sidecar.registry.lookup_plan import (
+    SEGMENT_FIELDS,
+    AdmissionPolicy,
+    FetchSpec,
+    LookupPlan,
+    LookupSummary,
+    RepairScope,
+)
 from sidecar.v1 import sidecar_pb2 as pb
 
 #: Request metadata keys (docs/architecture.md, "Tenancy and security"); kept here so clients need

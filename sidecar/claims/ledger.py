@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections import deque
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 

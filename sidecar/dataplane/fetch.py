@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import torch
 
+from sidecar.dataplane.records import DataPlaneCounters, FetchResult
 from sidecar.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from sidecar.identity import SHARED_SCOPE, CacheIdentity, KVLayout
 from sidecar.registry.entry import ChunkEntry, EntryState
@@ -21,9 +22,6 @@ from sidecar.tiers import (
     Tier,
     chunk_key,
 )
-
-
-from sidecar.dataplane.records import DataPlaneCounters, FetchResult
 
 #: Fetch reads chunks in windows of about this many payload bytes (not all items at once)
 _FETCH_WINDOW_BYTES = 32 << 20

@@ -13,21 +13,27 @@ import asyncio
 import numpy as np
 import torch
 
+from sidecar.dataplane.fetch import check_layout, check_rope
+from sidecar.dataplane.records import DataPlaneCounters, SessionRun
 from sidecar.directives.held import HeldKV, HeldRuns, HeldSpan
 from sidecar.errors import FailedPrecondition, InvalidArgument
 from sidecar.identity import SHARED_SCOPE, CacheIdentity, KVLayout
 from sidecar.registry.chunk_index import LookupQuery
 from sidecar.registry.entry import ChunkEntry, EntryState
-from sidecar.registry.lookup_plan import SEG_END, SEG_HASH, SEG_KIND, SEG_OFFSET, SEG_SOURCE, SEG_START, AdmissionPolicy
-from sidecar.registry.lookup_plan import SegmentKind
+from sidecar.registry.lookup_plan import (
+    SEG_END,
+    SEG_HASH,
+    SEG_KIND,
+    SEG_OFFSET,
+    SEG_SOURCE,
+    SEG_START,
+    AdmissionPolicy,
+    SegmentKind,
+)
 from sidecar.tiers import (
     chunk_key,
     decode_payload,
 )
-
-
-from sidecar.dataplane.fetch import check_layout, check_rope
-from sidecar.dataplane.records import DataPlaneCounters, SessionRun
 
 
 class HeldPath:

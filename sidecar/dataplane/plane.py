@@ -52,6 +52,12 @@ from typing import Any
 import numpy as np
 
 from sidecar.claims import ClaimLedger
+from sidecar.dataplane.cuts import CutFamilies
+from sidecar.dataplane.fetch import FetchPath, check_layout
+from sidecar.dataplane.held_reads import HeldPath
+from sidecar.dataplane.intake import StoreIntake, check_payloads, chunk_sizes
+from sidecar.dataplane.pool import PoolPath
+from sidecar.dataplane.records import DataPlaneCounters, StoreOutcome, decode_aux, encode_aux
 from sidecar.errors import ResourceExhausted
 from sidecar.identity import SHARED_SCOPE, CacheIdentity, KVLayout
 from sidecar.registry.chunk_index import ChunkIndex
@@ -62,19 +68,11 @@ from sidecar.tiers import (
     EventKind,
     QuotaExceededError,
     StoreConfig,
-    TieredStore,
     Tier,
+    TieredStore,
     chunk_key,
 )
 from sidecar.tiers.store_pool import Slot
-
-
-from sidecar.dataplane.fetch import FetchPath, check_layout
-from sidecar.dataplane.held_reads import HeldPath
-from sidecar.dataplane.intake import StoreIntake, check_payloads, chunk_sizes
-from sidecar.dataplane.cuts import CutFamilies
-from sidecar.dataplane.pool import PoolPath
-from sidecar.dataplane.records import DataPlaneCounters, StoreOutcome, decode_aux, encode_aux
 
 logger = logging.getLogger(__name__)
 

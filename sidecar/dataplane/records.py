@@ -20,7 +20,6 @@ from sidecar.tiers import (
     ChunkMeta,
 )
 
-
 logger = logging.getLogger(__name__)
 
 #: version 1: version, source_pos, prefix_digest, num_tokens, token digest; version 2 adds the

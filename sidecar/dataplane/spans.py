@@ -24,9 +24,9 @@ import torch
 from sidecar.dataplane.records import FetchResult
 from sidecar.errors import InvalidArgument
 from sidecar.identity import KVLayout
+from sidecar.payload import payload_nbytes
 from sidecar.registry.entry import ChunkEntry
 from sidecar.registry.lookup_plan import FetchSpec
-from sidecar.payload import payload_nbytes
 
 
 @dataclass(slots=True)

@@ -37,8 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from sidecar.registry.entry import chain_reference
-from sidecar.registry.entry import ChunkHash
+from sidecar.registry.entry import ChunkHash, chain_reference
 
 FORMAT_VERSION = 1
 _U32 = np.dtype("<u4")

@@ -41,6 +41,7 @@ from sidecar.registry.entry import ChunkEntry, ChunkHash, EntryState
 from sidecar.registry.entry_table import EntryTable
 from sidecar.registry.seeds import interval_bits
 
+
 @dataclass(frozen=True, kw_only=True)
 class RegistryConfig:
     """``scope_share``: the fraction of ``capacity_entries`` one scope (tenant) may hold once

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sidecar.identity import KVLayout
 import sidecar.rotation.cpu as cpu
+from sidecar.identity import KVLayout
 from sidecar.rotation.angles import delta_tables
 from sidecar.rotation.spec import Pairing, RopeSpec, RotaryLayout
 

@@ -38,10 +38,6 @@ import numpy as np
 import torch
 
 from sidecar.rotation.angles import Delta, RotationTable, as_delta_tensor, delta_arrays, rotation_table
-from sidecar.rotation.native import check_key, check_slots, rotate_keys_native, rotate_slots_native_
-from sidecar.rotation.spec import Pairing, RopeSpec
-
-
 from sidecar.rotation.cpu_kernels import (
     _HALF,
     _HALF_WORDS,
@@ -55,6 +51,8 @@ from sidecar.rotation.cpu_kernels import (
     _rotate_segments_serial,
     _rotate_slots,
 )
+from sidecar.rotation.native import check_key, check_slots, rotate_keys_native, rotate_slots_native_
+from sidecar.rotation.spec import Pairing, RopeSpec
 
 if AVAILABLE:
     import numba

@@ -4,12 +4,8 @@ module's docstring): dtype views, the pairing modes, the per-run row loop and it
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
-
-
-
 
 try:  # numba is a hard dependency of the project; stay importable without it anyway
     import numba

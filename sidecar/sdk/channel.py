@@ -18,9 +18,9 @@ from typing import Any
 
 import grpc
 
-from sidecar.api.service import Stub
 from sidecar.api.frames import FETCH_METHOD, FETCH_SESSION_METHOD, parse_fetch_frame
 from sidecar.api.kv import AUTH_HEADER, TENANT_HEADER, StoreResponse
+from sidecar.api.service import Stub
 from sidecar.api.status import error_for_status
 from sidecar.api.store_frames import STORE_METHOD, serialize_store
 from sidecar.errors import SidecarError

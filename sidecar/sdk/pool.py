@@ -31,10 +31,10 @@ import numpy as np
 import torch
 import xxhash
 
-from sidecar.payload import as_byte_tensor, is_stacked, stacked_view
 from sidecar.api.pool import LeasedChunk, leased_from_wire
 from sidecar.errors import NotFound
 from sidecar.identity import CacheIdentity, KVLayout
+from sidecar.payload import as_byte_tensor, is_stacked, stacked_view
 from sidecar.registry.lookup_plan import FetchSpec
 from sidecar.sdk.results import FetchedKV, StoreResult
 from sidecar.shm.pool import MappedPool

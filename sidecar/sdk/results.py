@@ -22,7 +22,6 @@ from sidecar.api.claims import ADMIT_FROM_WIRE, DECISION_FROM_WIRE, MODE_FROM_WI
 from sidecar.claims import Admit, CapacityProof, Decision, ProtectionMode
 from sidecar.identity import CacheIdentity
 
-
 _U32 = np.dtype("<u4")
 
 

@@ -42,7 +42,13 @@ from sidecar.api.kv import (
     ping_request,
     stats_request,
 )
-from sidecar.api.store_frames import store_frames
+from sidecar.api.manifests import (
+    export_manifest_request,
+    import_manifest_request,
+    manifest_lines_from_wire,
+    warm_up_plan_from_wire,
+    warm_up_plan_request,
+)
 from sidecar.api.pool import (
     abort_store_request,
     commit_store_request,
@@ -52,13 +58,6 @@ from sidecar.api.pool import (
     reserve_store_request,
 )
 from sidecar.api.routing import score_request, score_result_from_wire
-from sidecar.api.manifests import (
-    export_manifest_request,
-    import_manifest_request,
-    manifest_lines_from_wire,
-    warm_up_plan_from_wire,
-    warm_up_plan_request,
-)
 from sidecar.api.splice import (
     abort_splice_request,
     append_session_request,
@@ -70,6 +69,7 @@ from sidecar.api.splice import (
     session_from_wire,
     splice_request,
 )
+from sidecar.api.store_frames import store_frames
 from sidecar.sdk.fetch import fetch_call, fetch_session_call
 from sidecar.sdk.results import (
     AdmitActiveResult,

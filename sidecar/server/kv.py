@@ -12,18 +12,17 @@ import asyncio
 import functools
 import time
 from collections import OrderedDict
-from dataclasses import replace
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 import torch
 
-from sidecar import __version__
 import sidecar.api.kv as wire
+from sidecar import __version__
 from sidecar.api.frames import Framer
-from sidecar.api.store_frames import StorePart
 from sidecar.api.kv import (
     layout_from_wire,
     lookup_plan_to_wire,
@@ -32,6 +31,7 @@ from sidecar.api.kv import (
     rope_from_wire,
     tokens_from_wire,
 )
+from sidecar.api.store_frames import StorePart
 from sidecar.claims import ClaimLedger
 from sidecar.config import SidecarConfig
 from sidecar.dataplane import DataPlane

@@ -14,9 +14,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from prometheus_client.core import CounterMetricFamily
-
 import grpc
+from prometheus_client.core import CounterMetricFamily
 
 import sidecar.api.manifests as wire
 from sidecar.api.manifests import import_result_to_wire, warm_up_plan_to_wire

@@ -21,10 +21,10 @@ from typing import Any
 import grpc
 
 from sidecar.api.frames import serialize_fetch
-from sidecar.api.store_frames import StorePart, parse_store_request
 from sidecar.api.kv import RequestLimits
-from sidecar.errors import InvalidArgument
 from sidecar.api.service import METHODS, SERVICE_NAME, Method
+from sidecar.api.store_frames import StorePart, parse_store_request
+from sidecar.errors import InvalidArgument
 from sidecar.server.edge import Edge
 
 #: Streaming methods whose responses are pre-serialized frames (``sidecar.api.frames``).

@@ -29,12 +29,12 @@ import logging
 import re
 from collections.abc import Iterable
 
+from sidecar.api.kv import AUTH_HEADER, TENANT_HEADER
 from sidecar.auth.tls import TenantSource, TlsConfig, cert_tenant
 from sidecar.auth.tokens import TokenTable
 from sidecar.config import AuthConfig
 from sidecar.errors import Internal, InvalidArgument, PermissionDenied, Unauthenticated
 from sidecar.identity import SHARED_SCOPE
-from sidecar.api.kv import AUTH_HEADER, TENANT_HEADER
 
 logger = logging.getLogger(__name__)
 

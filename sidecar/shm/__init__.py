@@ -23,7 +23,18 @@ The protocol (proto ``SharedMemory``):
 Files: ``segment.py`` (the client's buffers and their pool), ``writer.py`` (the sidecar's side).
 """
 
-from sidecar.shm.segment import ALIGN, HEADER_BYTES, MAGIC, NAME_PATTERN, SHM_DIR, TOKEN_BYTES, Lease, Segment, SegmentPool, local_target
+from sidecar.shm.segment import (
+    ALIGN,
+    HEADER_BYTES,
+    MAGIC,
+    NAME_PATTERN,
+    SHM_DIR,
+    TOKEN_BYTES,
+    Lease,
+    Segment,
+    SegmentPool,
+    local_target,
+)
 from sidecar.shm.writer import ShmWriter, local_peer, open_writer
 
 __all__ = [

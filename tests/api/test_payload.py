@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sidecar.payload import decode_payload, encode_payload, is_stacked, stacked_payload, stacked_view
 from sidecar.identity import KVLayout
+from sidecar.payload import decode_payload, encode_payload, is_stacked, stacked_payload, stacked_view
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

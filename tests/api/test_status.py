@@ -12,7 +12,13 @@ import grpc
 from sidecar.api.status import BLOCKING_CLAIMS_KEY, CAPACITY_PROOF_KEY, error_for_status, status_for, trailers_for
 from sidecar.claims import CapacityProof, ClaimBlocked
 from sidecar.errors import (
-    Internal, InvalidArgument, InvariantViolation, NotFound, ResourceExhausted, SidecarError, Unavailable,
+    Internal,
+    InvalidArgument,
+    InvariantViolation,
+    NotFound,
+    ResourceExhausted,
+    SidecarError,
+    Unavailable,
 )
 
 

@@ -10,8 +10,8 @@ import pytest
 from bench import splice as sb
 from bench.tokenizer import ChatTemplate
 from clients.transformers import INVARIANT_ATTENTION, build_model, llama_config
-from sidecar.client import SyncSidecarClient
 from sidecar.app import ServerThread
+from sidecar.client import SyncSidecarClient
 from tests.conftest import make_config
 
 

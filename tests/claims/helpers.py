@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from sidecar.app import create_server
 from sidecar.claims import ClaimsConfig
 from sidecar.client import SidecarClient
 from sidecar.config import AuthConfig
@@ -16,7 +17,6 @@ from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.registry.chunker import ChunkerConfig
 from sidecar.registry.entry import EntryState
 from sidecar.registry.registry import RegistryConfig
-from sidecar.app import create_server
 from sidecar.tiers import StoreConfig
 from tests.conftest import make_config
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from sidecar.claims import Admit, Conformance, Decision, ProtectionMode, classify_lowering
+from sidecar.client import SidecarClient
 from sidecar.errors import ResourceExhausted
 from tests.claims.helpers import BLOCK, IDENT, SLOT, blocks, events, held_blocks, start, store
-from sidecar.client import SidecarClient
 
 RESIDENT = blocks(60, 1_000)
 ACTIVE = blocks(70, 50_000)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from clients.transformers import ActiveAdmission, ActiveRefused, Engine
-from sidecar.client import SyncSidecarClient
 from sidecar.app import ServerThread
-from tests.conftest import make_config
+from sidecar.client import SyncSidecarClient
 from tests.clients.transformers.conftest import get_model
+from tests.conftest import make_config
 
 BS = 16
 

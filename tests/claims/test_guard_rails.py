@@ -129,10 +129,11 @@ async def test_evict_and_delete_of_claimed_chunks_are_refused():
 
 
 async def test_offloadable_moves_down_a_tier_but_is_never_dropped(tmp_path):
+    import dataclasses
+
+    from sidecar.app import create_server
     from sidecar.tiers import StoreConfig
     from tests.claims.helpers import SLOT, config
-    from sidecar.app import create_server
-    import dataclasses
 
     cfg = config(20)
     cfg = dataclasses.replace(cfg, store=StoreConfig(cpu_bytes=20 * SLOT, disk_bytes=30 * SLOT,

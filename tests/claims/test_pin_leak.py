@@ -10,10 +10,10 @@ import dataclasses
 import grpc
 
 from sidecar.api.kv import fetch_request
+from sidecar.app import create_server
 from sidecar.client import SidecarClient
 from sidecar.config import AuthConfig
 from sidecar.identity import KVLayout
-from sidecar.app import create_server
 from tests.claims.helpers import BLOCK, IDENT, LAYOUT, blocks, config, store
 
 CLIENTS, CALLS = 100, 10

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from sidecar.payload import stacked_view
 from sidecar.app import ServerThread
 from sidecar.client import SyncSidecarClient
 from sidecar.cuts import Cut, covering, cut_of, heads_layout
 from sidecar.dataplane.cuts import CutFamilies, slice_heads
 from sidecar.errors import InvalidArgument
 from sidecar.identity import KVLayout
+from sidecar.payload import stacked_view
 from tests.conftest import make_config
 from tests.dataplane.test_dataplane import IDENT, LAYOUT, payloads_for
 

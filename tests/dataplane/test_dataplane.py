@@ -10,14 +10,14 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from sidecar.config import AuthConfig
+from sidecar.app import create_server
 from sidecar.client import SidecarClient
+from sidecar.config import AuthConfig
 from sidecar.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from sidecar.identity import CacheIdentity, KVLayout
-from sidecar.rotation import RopeSpec, rotate_keys
-from sidecar.app import create_server
-from sidecar.tiers import StoreConfig, TenantQuota
 from sidecar.payload import decode_payload
+from sidecar.rotation import RopeSpec, rotate_keys
+from sidecar.tiers import StoreConfig, TenantQuota
 from tests.conftest import ANCHORS, make_config, message
 
 MiB = 1 << 20
@@ -255,9 +255,9 @@ async def test_concurrent_stores_and_fetches_of_the_same_chunks(rng):
 async def test_fetch_requires_layout(rng):
     server, target = await start()
     try:
+        from sidecar.api.kv import identity_to_wire
         from sidecar.v1 import sidecar_pb2 as pb
         from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
-        from sidecar.api.kv import identity_to_wire
 
         async with grpc.aio.insecure_channel(target) as ch:
             stub = pb_grpc.KVSidecarStub(ch)

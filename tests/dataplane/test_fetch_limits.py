@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
+from sidecar.app import create_server
 from sidecar.client import SidecarClient
 from sidecar.errors import ResourceExhausted
-from sidecar.app import create_server
 from sidecar.tiers import Tier
 from tests.conftest import make_config
 from tests.dataplane.test_dataplane import IDENT, LAYOUT, SPEC, check_rotated, conversation, store_all

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from sidecar.dataplane import fetch as fetch_path
-from sidecar.client import SidecarClient
-from sidecar.identity import CacheIdentity, KVLayout
-from sidecar.rotation import Pairing, RopeSpec, RotaryLayout, rotate_keys
 from sidecar.app import create_server
-from sidecar.tiers import StoreConfig
+from sidecar.client import SidecarClient
+from sidecar.dataplane import fetch as fetch_path
+from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.payload import decode_payload
+from sidecar.rotation import Pairing, RopeSpec, RotaryLayout, rotate_keys
+from sidecar.tiers import StoreConfig
 from tests.conftest import ANCHORS, make_config, message
 
 MiB = 1 << 20

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
+from sidecar.app import create_server
 from sidecar.client import SidecarClient
 from sidecar.errors import InvalidArgument
 from sidecar.identity import CacheIdentity, KVLayout
-from sidecar.app import create_server
 from sidecar.rotation import Pairing, RopeSpec, RotaryLayout
 from tests.conftest import make_config, message
 

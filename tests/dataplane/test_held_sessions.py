@@ -18,6 +18,7 @@ import torch
 
 from clients.transformers import Engine, ReusePolicy
 from clients.transformers.splice import SpliceSession, clone_cache
+from sidecar.app import ServerThread
 from sidecar.client import FetchedRun, SyncSidecarClient
 from sidecar.config import AuthConfig, DirectivesConfig
 from sidecar.directives import (
@@ -34,12 +35,11 @@ from sidecar.directives.held import forget_start
 from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.rotation import RopeSpec, rotate_keys
-from sidecar.app import ServerThread
 from sidecar.tiers import decode_payload, encode_payload
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
-from tests.conftest import ANCHOR_BASE, make_config
 from tests.clients.transformers.conftest import Prompts, get_model
+from tests.conftest import ANCHOR_BASE, make_config
 
 LOCAL = ReusePolicy(prefix_cache=False, sidecar=False, store=False)
 TENANT, OTHER = "held-a", "held-b"

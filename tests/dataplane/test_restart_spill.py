@@ -8,9 +8,9 @@ import logging
 import numpy as np
 import torch
 
+from sidecar.app import create_server
 from sidecar.client import SidecarClient
 from sidecar.identity import CacheIdentity, KVLayout
-from sidecar.app import create_server
 from sidecar.tiers import StoreConfig
 from tests.conftest import ANCHORS, make_config, message
 

@@ -10,10 +10,10 @@ import grpc
 import numpy as np
 import pytest
 
+from sidecar.api.kv import identity_to_wire, layout_to_wire
 from sidecar.app import create_server
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
-from sidecar.api.kv import identity_to_wire, layout_to_wire
 from tests.claims.helpers import BLOCK, IDENT, LAYOUT, blocks, config
 
 PER_CHUNK = LAYOUT.bytes_per_token * BLOCK  # 4 KiB

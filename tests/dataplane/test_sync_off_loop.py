@@ -8,9 +8,9 @@ import asyncio
 import dataclasses
 import threading
 
+from sidecar.app import create_server
 from sidecar.client import SidecarClient
 from sidecar.registry.registry import RegistryConfig
-from sidecar.app import create_server
 from tests.claims.helpers import IDENT, blocks, config, store
 
 

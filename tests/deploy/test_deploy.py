@@ -37,12 +37,12 @@ import torch
 import yaml
 from transformers import LlamaConfig
 
+from sidecar.app import ServerThread
 from sidecar.client import SyncSidecarClient
 from sidecar.config import NOT_SETTINGS, SidecarConfig, load_config, to_dict
 from sidecar.errors import PermissionDenied, Unauthenticated
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.rotation import RopeSpec
-from sidecar.app import ServerThread
 from sidecar.tiers import RemoteEndpoint
 from tests.redis_server import free_port, redis_server
 

@@ -15,9 +15,9 @@ import grpc
 import numpy as np
 import torch
 
-from bench.harness import spawn_sidecar, stop_process
 from sidecar.client import RetryPolicy, SidecarClient
 from sidecar.identity import CacheIdentity, KVLayout
+from sidecar.process import spawn_sidecar, stop_process
 from tests.conftest import ANCHORS, message
 
 LAYOUT = KVLayout.gqa(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32")

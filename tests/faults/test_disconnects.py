@@ -18,8 +18,8 @@ import types
 import grpc
 
 from sidecar.api.kv import fetch_request
-from sidecar.client import SidecarClient
 from sidecar.app import create_server
+from sidecar.client import SidecarClient
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 from tests.claims.helpers import BLOCK, IDENT, LAYOUT, blocks, config, store

@@ -18,8 +18,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sidecar.client import SidecarClient
 from sidecar.app import REGISTRY_HEALTH_NAME
+from sidecar.client import SidecarClient
 from tests.conftest import ANCHORS
 from tests.faults.helpers import IDENT, LAYOUT, SidecarProc, payloads, prompt, store_prompt
 

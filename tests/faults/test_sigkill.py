@@ -20,7 +20,14 @@ from sidecar.client import SidecarClient
 from sidecar.directives import Directive
 from sidecar.errors import NotFound, SidecarError
 from tests.faults.helpers import (
-    IDENT, NO_RETRY, TRANSPORT_CODES, SidecarProc, base_config, check_exact_or_miss, prompt, store_prompt,
+    IDENT,
+    NO_RETRY,
+    TRANSPORT_CODES,
+    SidecarProc,
+    base_config,
+    check_exact_or_miss,
+    prompt,
+    store_prompt,
 )
 
 WRITERS = 4

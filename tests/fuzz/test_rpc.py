@@ -26,14 +26,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sidecar.api.kv import identity_to_wire
 from sidecar.client import SyncSidecarClient
 from sidecar.config import AuthConfig
 from sidecar.tiers import StoreConfig
 from sidecar.v1 import sidecar_pb2 as pb
-from sidecar.api.kv import identity_to_wire
 from tests.conftest import make_config
-from tests.fuzz.conftest import examples
 from tests.dataplane.test_dataplane import IDENT, LAYOUT, payloads_for
+from tests.fuzz.conftest import examples
 
 SERVICE = "/sidecar.v1.KVSidecar/"
 MiB = 1 << 20

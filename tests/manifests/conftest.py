@@ -11,7 +11,6 @@ import uuid  # noqa: E402
 import pytest  # noqa: E402
 
 
-
 @pytest.fixture
 def namespace() -> str:
     return f"m{uuid.uuid4().hex[:12]}"

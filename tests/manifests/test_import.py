@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from sidecar import cli
+from sidecar.app import ServerThread, create_server
 from sidecar.client import SidecarClient, SyncSidecarClient
 from sidecar.config import AuthConfig
 from sidecar.errors import PermissionDenied
 from sidecar.manifests.config import ManifestsConfig
-from sidecar.app import ServerThread, create_server
 from tests.conftest import make_config, message
 
 OPERATOR = "operator"

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
+from sidecar.app import create_server
 from sidecar.client import SidecarClient
 from sidecar.manifests import ManifestWriter, encode_line, merge, read_lines, rotated_paths
 from sidecar.manifests.config import ManifestsConfig
 from sidecar.manifests.format import ManifestEntry, chunk_key, parse_line
-from sidecar.app import create_server
 from tests.conftest import make_config, message
 
 ROOT = Path(__file__).resolve().parents[2]

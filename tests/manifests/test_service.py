@@ -5,6 +5,7 @@ counters that the server's edge drains into its metrics."""
 from __future__ import annotations
 
 import numpy as np
+
 from sidecar.app import build
 from sidecar.manifests import ManifestEntry, ManifestsConfig, Outcome, chunk_key, encode_line
 from sidecar.manifests.service import ManifestCounters, ManifestService

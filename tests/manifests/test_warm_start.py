@@ -11,11 +11,11 @@ import numpy as np
 import redis
 
 from clients.transformers import INVARIANT_ATTENTION, Engine, build_model, llama_config
+from sidecar.app import ServerThread
 from sidecar.client import SyncSidecarClient
 from sidecar.config import AuthConfig
 from sidecar.manifests import merge, read_lines, stream
 from sidecar.manifests.config import ManifestsConfig
-from sidecar.app import ServerThread
 from sidecar.tiers import StoreConfig
 from tests.conftest import ANCHOR_BASE, make_config
 

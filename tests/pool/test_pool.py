@@ -8,9 +8,7 @@ import os
 
 import numpy as np
 import pytest
-import torch
 
-from sidecar.payload import stacked_view
 from sidecar.app import ServerThread
 from sidecar.client import SyncSidecarClient
 from sidecar.config import AuthConfig

@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    """SmolLM2-135M-Instruct as a Hugging Face directory (``bench.vllm.model_dir``)."""
-    from bench.harness import server_python
-    from bench.vllm import model_dir as build
+    """SmolLM2-135M-Instruct as a Hugging Face directory (``clients.vllm.run.model_dir``)."""
+    from clients.vllm.run import model_dir as build
+    from sidecar.process import server_python
 
     if not Path(server_python()).exists():
         pytest.skip(f"{server_python()} not found (the main environment builds the model directory)")
@@ -32,11 +32,11 @@ def model_dir() -> str:
 @pytest.fixture(scope="module")
 def sidecar_target() -> Iterator[str]:
     """A real sidecar on loopback (port 0) with SmolLM2's chunker anchor ``<|im_start|>`` (id 1),
-    served from the main environment (``bench.harness.server_python``). Its CPU tier holds all
+    served from the main environment (``sidecar.process.server_python``). Its CPU tier holds all
     a module Stores (1 GiB): the default 256 MiB is about what four ~2.9K-token prompts of
     SmolLM2's KV take (~23 KB a token), and an eviction of the first prompt's chunks would turn
     the reuse these tests check into a gap."""
-    from bench.harness import server_python, sidecar_process
+    from sidecar.process import server_python, sidecar_process
 
     if not Path(server_python()).exists():
         pytest.skip(f"{server_python()} not found: the sidecar runs from the main environment")
@@ -55,8 +55,8 @@ def closed_port() -> str:
 
 
 def run_engine(spec: dict[str, Any], *, multiprocess: bool = False, timeout: int = 900) -> dict[str, Any]:
-    """One fresh vLLM engine process over ``spec`` (``bench.vllm.run_engine``)."""
-    from bench.vllm import run_engine as run
+    """One fresh vLLM engine process over ``spec`` (``clients.vllm.run.run_engine``)."""
+    from clients.vllm.run import run_engine as run
 
     try:
         return run(spec, int(os.environ.get("OMP_NUM_THREADS", "2")), multiprocess=multiprocess, timeout=timeout)

@@ -63,7 +63,7 @@ def _torchvision_shim() -> None:
 
 @pytest.fixture(scope="module")
 def sidecar_target():
-    from bench.harness import server_python, sidecar_process
+    from sidecar.process import server_python, sidecar_process
 
     with sidecar_process("--set", f"chunker.anchor_tokens=[{ANCHOR}]", "--set", "default_recompute_tokens=0",
                          python=server_python()) as target:

@@ -215,9 +215,9 @@ def test_admission_holds_a_request_a_hard_claim_blocks(model_dir, prompts):
     (vLLM's "ask again") and re-asks until ``admit_max_wait_s``, then serves it, because vLLM has
     no connector API to reject a request. The answer names the blocking claim and carries the
     capacity proof's reason; the output is vLLM's plain output."""
-    from bench.harness import server_python, sidecar_process
     from sidecar.client import SyncSidecarClient
     from sidecar.identity import CacheIdentity
+    from sidecar.process import server_python, sidecar_process
 
     with sidecar_process("--set", "chunker.anchor_tokens=[1]", python=server_python()) as target:
         ident = CacheIdentity(model_id="resident-pool", kv_layout="any", rope_fingerprint="any")
@@ -247,7 +247,7 @@ def test_connector_over_mtls_acts_as_the_certificate_tenant(model_dir, prompts, 
     """The connector with ``tls`` + a client certificate against a sidecar that requires mTLS and
     takes the tenant from the certificate's CN: the Lookup and the Store go through, and the
     chunks land in the certificate's tenant (visible to that tenant, not to another)."""
-    from bench.harness import server_python, sidecar_process
+    from sidecar.process import server_python, sidecar_process
     from tests.tenancy.certs import CA
 
     ca = CA(tmp_path)

@@ -100,9 +100,8 @@ def test_an_mla_models_pairing_is_read_from_vllms_model_config(deepseek_dir):
     rotates them; an explicit setting still overrides. vLLM's DeepSeek code renames the config's
     rope_type ``yarn`` to ``deepseek_yarn`` in place when it builds the model: the identity is
     the same before and after (a scheduler side may read the config before, a worker after)."""
-    from sidecar.rotation import Pairing
-
     from clients.vllm.settings import Settings, engine_shape
+    from sidecar.rotation import Pairing
 
     cfg = engine_config(str(deepseek_dir), skip_tokenizer_init=True, block_size=16)
     assert cfg.model_config.use_mla

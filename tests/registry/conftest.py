@@ -17,7 +17,6 @@ import uuid
 import pytest
 
 
-
 @pytest.fixture
 def prefix() -> str:
     """A key prefix (shared registry) and tier namespace of this test alone."""

@@ -265,8 +265,8 @@ def test_a_peer_serves_every_copy_through_the_shared_registry(redis_url, redis_c
     """Two sidecar processes share one Redis registry and remote tier: A Stores the repeated
     history; B's first Lookup (one round trip) plans every occurrence EXACT from A's copies and
     B's Fetch reads each occurrence's own bytes through the remote tier."""
-    from bench.harness import sidecar_process
     from sidecar.client import SyncSidecarClient
+    from sidecar.process import sidecar_process
 
     sets = {
         "chunker.anchor_tokens": "[" + ",".join(map(str, ANCHORS)) + "]",

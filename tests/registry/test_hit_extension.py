@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+from sidecar.app import create_server
 from sidecar.client import SidecarClient
 from sidecar.identity import CacheIdentity, KVLayout
+from sidecar.payload import decode_payload, encode_payload
 from sidecar.registry.lookup_plan import CARVE_OUT_TOKENS, FetchSpec, Fidelity, SegmentKind
 from sidecar.rotation import RopeSpec, rotate_keys
-from sidecar.app import create_server
 from sidecar.tiers import StoreConfig
-from sidecar.payload import decode_payload, encode_payload
 from tests.conftest import ANCHORS, make_config, message, text
 
 LAYOUT = KVLayout.gqa(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32")

@@ -8,8 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from sidecar.app import create_server
 from sidecar.client import SidecarClient
 from sidecar.identity import CacheIdentity
+from sidecar.payload import decode_payload
 from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
 from sidecar.registry.chunker import ChunkerConfig
 from sidecar.registry.entry import EntryState
@@ -17,9 +19,7 @@ from sidecar.registry.entry_table import I_NTOK, I_POS
 from sidecar.registry.lookup_plan import AdmissionPolicy, Fidelity
 from sidecar.registry.registry import InMemoryRegistry, RegistryConfig
 from sidecar.registry.seeds import interval_bits, unpack
-from sidecar.app import create_server
 from sidecar.tiers import StoreConfig
-from sidecar.payload import decode_payload
 from tests.conftest import ANCHORS, make_config, message, text
 from tests.registry.test_compiled_lookup import check_seed_map
 from tests.registry.test_hit_extension import IDENT as KV_IDENT

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from bench.harness import sidecar_process
 from sidecar.client import SyncSidecarClient
+from sidecar.process import sidecar_process
 from tests.redis_server import RedisProcess, free_cluster_port
 from tests.registry.test_shared_registry import IDENT, LAYOUT, conversation, flags, hits, store_kv, wait_for_hits
 

@@ -1,6 +1,6 @@
 """Sidecars sharing one registry through a real Redis (docs/operations.md, "Shared registry").
 
-Peers are real ``kv-sidecar serve`` processes (``bench.harness.sidecar_process``); the sidecar
+Peers are real ``kv-sidecar serve`` processes (``sidecar.process.sidecar_process``); the sidecar
 whose Redis is stopped runs in-process (``ServerThread``) so its health and metrics can be read.
 Waiting for a peer to see a chunk is bounded by a generous deadline (liveness, not a timing
 assertion): publication is asynchronous by design, within ``publish_interval_s``.
@@ -17,12 +17,12 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
 
-from bench.harness import sidecar_process
+from sidecar.app import REGISTRY_HEALTH_NAME, ServerThread
 from sidecar.client import SyncSidecarClient
 from sidecar.identity import CacheIdentity, KVLayout
+from sidecar.process import sidecar_process
 from sidecar.registry.lookup_plan import SegmentKind
 from sidecar.registry.shared_keys import SharedRecord, SharedRegistryConfig
-from sidecar.app import REGISTRY_HEALTH_NAME, ServerThread
 from sidecar.tiers import StoreConfig
 from tests.conftest import ANCHORS, make_config, message
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from sidecar.identity import KVLayout, KVPart
-from sidecar.rotation import Pairing, rotate_keys, rotate_keys_native, rotate_payloads_
 from sidecar.payload import decode_payload
+from sidecar.rotation import Pairing, rotate_keys, rotate_keys_native, rotate_payloads_
 from tests.rotation.grid import DTYPES, make_spec
 
 # (num_tokens, delta): mixed signs, zero, large, a one-token chunk.

@@ -15,8 +15,7 @@ import os
 import pytest
 import torch
 
-from sidecar.rotation import Pairing, rotate_keys, rotate_keys_native, rotate_slots_, rotate_slots_native_
-from sidecar.rotation import cuda
+from sidecar.rotation import Pairing, cuda, rotate_keys, rotate_keys_native, rotate_slots_, rotate_slots_native_
 from tests.rotation.grid import DTYPES, GEOMETRIES, make_spec
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and cuda.TRITON_AVAILABLE

@@ -12,8 +12,7 @@ import numba
 import pytest
 import torch
 
-from sidecar.rotation import Pairing, rotate_keys, rotate_keys_native, rotate_slots_, rotate_slots_native_
-from sidecar.rotation import cpu
+from sidecar.rotation import Pairing, cpu, rotate_keys, rotate_keys_native, rotate_slots_, rotate_slots_native_
 from tests.rotation.grid import DTYPES, GEOMETRIES, assert_bits_equal, bits, make_spec
 
 

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from sidecar.rotation import RopeSpec, rotate_keys, rotate_keys_native
-from tests.rotation.bounds import BF16_UNIT, assert_within, check_against_model, model_bound, pair_norm, pairs_to_elements
+from tests.rotation.bounds import (
+    BF16_UNIT,
+    assert_within,
+    check_against_model,
+    model_bound,
+    pair_norm,
+    pairs_to_elements,
+)
 from tests.rotation.families import FAMILIES, layer_zero_keys
 
 NAMES = sorted(FAMILIES)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from bench.harness import spawn_sidecar, stop_process
 from sidecar.client import SyncSidecarClient
 from sidecar.identity import CacheIdentity, KVLayout
+from sidecar.process import spawn_sidecar, stop_process
 from tests.conftest import ANCHORS, message
 
 MiB = 1 << 20

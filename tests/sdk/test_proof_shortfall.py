@@ -11,7 +11,6 @@ from sidecar.client import SidecarClient
 from sidecar.sdk.results import AdmitActiveResult, WatchedEvent
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
-
 from tests.claims.helpers import BLOCK, IDENT, blocks, start, store
 
 # 1 + 2 - 2 = 1 by the formula; the server says 7 (a server that counts differently wins)

@@ -8,12 +8,12 @@ import grpc
 import numpy as np
 import pytest
 
-from sidecar.client import SidecarClient
+from sidecar.api.kv import identity_to_wire, layout_to_wire
 from sidecar.app import create_server
+from sidecar.client import SidecarClient
+from sidecar.identity import KVLayout
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
-from sidecar.identity import KVLayout
-from sidecar.api.kv import identity_to_wire, layout_to_wire
 from tests.conftest import make_config, message
 
 MAX_TOKENS = 4096

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from sidecar.api.status import status_for
+from sidecar.app import create_server
 from sidecar.client import RetryPolicy, SidecarClient
 from sidecar.errors import InvalidArgument
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.registry.entry import EntryState
 from sidecar.registry.registry import RegistryConfig
-from sidecar.app import create_server
 from sidecar.tiers import StoreConfig
 from sidecar.tiers.errors import TierUnavailableError
 from tests.conftest import ANCHORS, make_config, message

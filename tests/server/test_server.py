@@ -10,10 +10,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from sidecar.app import SERVICE_NAME, ServerThread, create_server
 from sidecar.client import SidecarClient, SyncSidecarClient
 from sidecar.config import DEFAULT_RECOMPUTE_TOKENS
 from sidecar.registry.lookup_plan import Fidelity, SegmentKind
-from sidecar.app import SERVICE_NAME, ServerThread, create_server
 from tests.conftest import ANCHORS, make_config, message
 
 

@@ -15,6 +15,8 @@ import grpc
 import numpy as np
 import pytest
 
+from sidecar.api.status import status_for
+from sidecar.app import ServerThread, SidecarServer, create_server
 from sidecar.client import SidecarClient, SyncSidecarClient
 from sidecar.config import DirectivesConfig, load_config
 from sidecar.directives import (
@@ -37,8 +39,6 @@ from sidecar.errors import (
     NotFound,
     ResourceExhausted,
 )
-from sidecar.api.status import status_for
-from sidecar.app import ServerThread, SidecarServer, create_server
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 from tests.conftest import make_config

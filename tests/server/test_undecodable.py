@@ -9,9 +9,9 @@ import grpc
 import numpy as np
 import pytest
 
+from sidecar.api.kv import identity_to_wire
 from sidecar.client import SidecarClient
 from sidecar.v1 import sidecar_pb2 as pb
-from sidecar.api.kv import identity_to_wire
 from tests.conftest import ANCHORS, message
 
 SERVICE = "/sidecar.v1.KVSidecar/"

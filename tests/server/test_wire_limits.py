@@ -7,11 +7,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from sidecar.config import WireConfig
+from sidecar.api.kv import IdentityCache, RequestLimits
 from sidecar.app import create_server
+from sidecar.config import WireConfig
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
-from sidecar.api.kv import IdentityCache, RequestLimits
 from tests.conftest import make_config
 
 LONG = "m" * 5000  # past the default 4,096 bytes

@@ -14,15 +14,25 @@ import numpy as np
 import pytest
 
 from sidecar.api.kv import identity_to_wire, layout_to_wire, rope_to_wire
+from sidecar.app import ServerThread, create_server
 from sidecar.client import SidecarClient, SyncSidecarClient
 from sidecar.config import AuthConfig
-from sidecar.app import ServerThread, create_server
 from sidecar.shm import HEADER_BYTES, MAGIC, SHM_DIR, Segment, SegmentPool, ShmWriter, local_peer, local_target
 from sidecar.tiers import StoreConfig
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 from tests.conftest import make_config
-from tests.dataplane.test_dataplane import IDENT, LAYOUT, SPEC, MiB, check_rotated, conversation, message, payloads_for, store_all
+from tests.dataplane.test_dataplane import (
+    IDENT,
+    LAYOUT,
+    SPEC,
+    MiB,
+    check_rotated,
+    conversation,
+    message,
+    payloads_for,
+    store_all,
+)
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm on this host")
 

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
+from sidecar.app import create_server
 from sidecar.client import SidecarClient
 from sidecar.errors import NotFound
-from sidecar.app import create_server
 from sidecar.tiers import StoreConfig
 from tests.conftest import make_config
 from tests.dataplane.test_dataplane import IDENT, LAYOUT, SPEC, conversation, store_all

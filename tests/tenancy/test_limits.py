@@ -8,12 +8,12 @@ import asyncio
 import numpy as np
 import pytest
 
-from sidecar.limits import LimitsConfig, TenantLimits
+from sidecar.app import create_server
 from sidecar.client import SidecarClient
 from sidecar.config import DirectivesConfig, SidecarConfig
 from sidecar.directives import EditMode
 from sidecar.errors import InvalidArgument, ResourceExhausted
-from sidecar.app import create_server
+from sidecar.limits import LimitsConfig, TenantLimits
 from sidecar.tiers import StoreConfig
 from sidecar.v1 import sidecar_pb2 as pb
 from tests.conftest import make_config

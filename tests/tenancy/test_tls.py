@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from sidecar.app import ServerThread, create_server
 from sidecar.auth.tls import TlsConfig
 from sidecar.auth.tokens import hash_token
 from sidecar.client import SidecarClient, SyncSidecarClient
 from sidecar.config import AuthConfig
 from sidecar.errors import PermissionDenied, SidecarError, Unavailable
-from sidecar.app import ServerThread, create_server
 from tests.conftest import make_config
 from tests.tenancy.certs import CA
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import yaml
 
+from sidecar.app import create_server
 from sidecar.auth.tokens import TokenTable, hash_token
 from sidecar.client import SidecarClient
 from sidecar.config import AuthConfig, load_config
 from sidecar.errors import PermissionDenied, Unauthenticated
-from sidecar.app import create_server
 from tests.conftest import make_config
 
 TOKEN_A = "tok-a-0123456789abcdefghijklmnop"

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from sidecar.identity import KVLayout
-from sidecar.tiers import StoreConfig, TieredStore
 from sidecar.payload import payload_nbytes
+from sidecar.tiers import StoreConfig, TieredStore
 from sidecar.tiers.envelope import HEADER_NBYTES
 
 

@@ -19,8 +19,8 @@ from lmcache.v1.distributed.l1_manager import L1Manager
 from lmcache.v1.distributed.l2_adapters import create_l2_adapter
 from lmcache.v1.distributed.l2_adapters.resp_l2_adapter import RESPL2AdapterConfig
 
-from sidecar.tiers.config import RemoteEndpoint
 from sidecar.tiers.backends.l2_driver import L2Driver
+from sidecar.tiers.config import RemoteEndpoint
 
 MiB = 1 << 20
 

@@ -21,9 +21,9 @@ from collections import deque
 
 import pytest
 
-from bench.harness import OWN_CONNECTION, child_pids, spawn_sidecar, stop_process
 from sidecar.client import SidecarClient
 from sidecar.config import load_config
+from sidecar.process import OWN_CONNECTION, child_pids, spawn_sidecar, stop_process
 from tests.faults.helpers import IDENT, LAYOUT, payloads, prompt, store_prompt
 from tests.redis_server import free_port
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from clients.transformers import INVARIANT_ATTENTION, Engine, build_model, deepseek_v2_config, llama_config
-from sidecar.client import SyncSidecarClient
 from sidecar.app import ServerThread
+from sidecar.client import SyncSidecarClient
 from tests.conftest import ANCHOR_BASE, make_config
 
 #: Ordinary ids stay below this (a small range keeps the models' embeddings hot in cache).

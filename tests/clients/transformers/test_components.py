@@ -25,7 +25,6 @@ from sidecar.client import FetchedKV
 from sidecar.registry.lookup_plan import Fidelity, Segment, SegmentKind
 from tests.clients.transformers.conftest import MODEL_CONFIGS, get_model
 
-
 # ------------------------------------------------------------------------------ SequenceCache
 
 

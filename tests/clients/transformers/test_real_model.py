@@ -31,11 +31,11 @@ from clients.transformers import (
     load_tokenizer,
 )
 from clients.transformers.fidelity import ARMS, WARM, evaluate_target
-from sidecar.models import KNOWN_MODELS, resolve
+from sidecar.app import ServerThread
 from sidecar.client import SyncSidecarClient
 from sidecar.config import DEFAULT_RECOMPUTE_TOKENS, SidecarConfig
+from sidecar.models import KNOWN_MODELS, resolve
 from sidecar.registry.chunker import ChunkerConfig
-from sidecar.app import ServerThread
 
 pytestmark = pytest.mark.slow
 

@@ -12,15 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from sidecar.app import ServerThread
-from sidecar.identity import CacheIdentity, KVLayout
-from sidecar.rotation import Pairing, RopeSpec, RotaryLayout
-from tests.conftest import ANCHOR_BASE, make_config
-
 from clients.vllm.paged import BlockLayout, PagedKV
 from clients.vllm.scheduler_side import SchedulerSide
 from clients.vllm.settings import EngineShape, Settings, sidecar_link
 from clients.vllm.worker_side import WorkerSide
+from sidecar.app import ServerThread
+from sidecar.identity import CacheIdentity, KVLayout
+from sidecar.rotation import Pairing, RopeSpec, RotaryLayout
+from tests.conftest import ANCHOR_BASE, make_config
 
 BLOCK = 16
 LAYERS, HEADS, HEAD = 2, 2, 16

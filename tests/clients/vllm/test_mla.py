@@ -18,17 +18,17 @@ import numpy as np
 import pytest
 import torch
 
-from sidecar.identity import CacheIdentity, KVLayout
-from sidecar.rotation import Pairing, RopeSpec, RotaryLayout
-from bench.vllm_layouts import LAYOUTS, build
-from tests.clients.vllm.conftest import BLOCK, Prompts
-from tests.clients.vllm.fakes import FakeScheduler, Request, latent_rows
-
+from clients.vllm.layouts import KV_CACHE_LAYOUTS as LAYOUTS
 from clients.vllm.layouts import LatentKV, PagedSpec
+from clients.vllm.layouts import kv_cache_views as build
 from clients.vllm.refusals import Refused
 from clients.vllm.scheduler_side import SchedulerSide
 from clients.vllm.settings import EngineShape, vllm_is_neox_style
 from clients.vllm.worker_side import WorkerSide, check_rope_pairing
+from sidecar.identity import CacheIdentity, KVLayout
+from sidecar.rotation import Pairing, RopeSpec, RotaryLayout
+from tests.clients.vllm.conftest import BLOCK, Prompts
+from tests.clients.vllm.fakes import FakeScheduler, Request, latent_rows
 
 LAYERS, RANK, ROPE_DIM = 2, 16, 8
 WIDTH = RANK + ROPE_DIM

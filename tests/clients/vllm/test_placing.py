@@ -8,14 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sidecar.identity import KVLayout
-from sidecar.rotation import Pairing, RopeSpec, RotaryLayout, rotate_keys_native
-
 from clients.vllm.layouts import PagedSpec, StandardKV
 from clients.vllm.paged import BlockLayout, PagedKV
 from clients.vllm.placing import Scratch, place
 from clients.vllm.rows import GqaRows
 from clients.vllm.staging import Staging
+from sidecar.identity import KVLayout
+from sidecar.rotation import Pairing, RopeSpec, RotaryLayout, rotate_keys_native
 
 L, H, D, B = 2, 2, 16, 4
 LAYOUT = KVLayout.gqa(num_layers=L, num_kv_heads=H, head_dim=D)

@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from sidecar.rotation import rotate_keys_native
-
 from clients.vllm.layouts import PagedSpec, StandardKV
 from clients.vllm.paged import BlockLayout, PagedKV
 from clients.vllm.settings import EngineShape, shard_name
 from clients.vllm.worker_side import WorkerSide
-from tests.clients.vllm.conftest import ANCHOR_BASE, BLOCK, HEAD, LAYERS
+from sidecar.rotation import rotate_keys_native
+from tests.clients.vllm.conftest import BLOCK, HEAD, LAYERS
 from tests.clients.vllm.fakes import FakeScheduler, Request, kv_rows
 
 MODEL_HEADS = 4

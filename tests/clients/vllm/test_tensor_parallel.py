@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 import torch
 
+from clients.vllm.layouts import KV_CACHE_LAYOUTS as LAYOUTS
 from clients.vllm.layouts import PagedSpec, StandardKV
+from clients.vllm.layouts import kv_cache_views as build
 from clients.vllm.paged import BlockLayout, PagedKV
 from clients.vllm.settings import EngineShape, shard_name
 from clients.vllm.worker_side import WorkerSide
-from bench.vllm_layouts import LAYOUTS, build
 from tests.clients.vllm.conftest import BLOCK, HEAD, HEADS, LAYERS
 from tests.clients.vllm.fakes import FakeScheduler, Request, kv_rows
 
