@@ -18,10 +18,14 @@ sidecar's host can take:
 Per path, two arms:
 
 * ``resharded``: ``clients.vllm.resharding.fetch_across``, as a worker loads a plan another cut
-  stored: per source rank holding some of its heads, a lease (reading only those heads) or a
-  Fetch of only those heads (``FetchRequest.heads``), joined into the worker's rows (one copy);
-* ``same``: the worker's own shard of a plan its own TP size stored (``plan_identity``): a
-  lease copied into its memory, or a Fetch (its rows used where they landed).
+  stored: per source rank holding some of its heads, a lease (its heads read in place from one
+  source rank, joined from several: one copy) or a Fetch of only those heads
+  (``FetchRequest.heads``, joined);
+* ``same``: the worker's own shard of a plan its own TP size stored (``plan_identity``): leased
+  views of the pool, or a Fetch.
+
+Both end as the worker's load does: the rows placed into the worker's paged cache (the CPU
+backend's, ``clients.vllm.placing.place``).
 
 "TP 1 -> n" is n workers reading what TP 1 stored, against n workers reading what TP n stored;
 "TP n -> 1" is one worker reading what TP n stored, against it reading what TP 1 stored. Per
@@ -39,14 +43,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from bench.dataplane import ANCHOR, CHUNK, MiB, body, engine_kv, engine_threads, llama3_8b
 from bench.harness import RESULTS, machine, sidecar_process, write_results
 from clients.vllm.jobs import LoadJob
-from clients.vllm.placing import Scratch
+from clients.vllm.paged import BlockLayout, PagedKV, single_threaded
+from clients.vllm.placing import Scratch, place
 from clients.vllm.resharding import fetch_across
 from clients.vllm.rows import GqaRows
 from clients.vllm.settings import EngineShape, shard_name
+from clients.vllm.staging import Staging
 from sidecar.client import SyncSidecarClient
 from sidecar.cuts import heads_layout
 from sidecar.identity import CacheIdentity
@@ -55,6 +62,8 @@ from sidecar.sdk.pool import PoolClient
 
 HEADS, HEAD, BLOCK = 8, 128, 16
 SIZES = (2, 4, 8)
+#: the CPU backend's placement (host memory, no device)
+HOST = Staging(torch.device("cpu"))
 GOAL_TIME = 1.2
 
 
@@ -85,39 +94,51 @@ def job_for(c: SyncSidecarClient, tokens: np.ndarray, lead: EngineShape) -> Load
     return LoadJob("bench", None, list(range(len(tokens) // BLOCK + 1)), list(run.items), plan.plan_shard)
 
 
-def fetch_same(c: SyncSidecarClient, job: LoadJob, w: EngineShape, scratch: Scratch, pool: PoolClient | None) -> int:
-    """The worker's own shard of the plan, into its memory (``scratch``): a lease read in place
-    and copied, or a Fetch (its rows used where they landed)."""
+def load_same(c: SyncSidecarClient, job: LoadJob, w: EngineShape, cache: PagedKV, scratch: Scratch,
+              pool: PoolClient | None) -> int:
+    """The worker's own shard of a plan its TP size stored, into its cache as its load does:
+    leased views of the pool (or a Fetch) placed; the payload bytes it read."""
     items = [it.fetch_item for it in job.items]
     if pool is None:
         got = c.fetch(items, identity=w.identity, layout=w.layout, raw=True, plan_identity=w.plan_identity)
         if not all(f.ok for f in got):
             raise RuntimeError(f"{w.identity.shard}: a miss")
+        rows = [GqaRows.of(f.data, w.layout, f.num_tokens).narrow(2, it.row, len(it)) for f, it in zip(got, job.items)]
+        place_rows(cache, job, rows, w, scratch)
         return sum(len(f.data) for f in got)
     leased = pool.lease(items, identity=w.identity, layout=w.layout, plan_identity=w.plan_identity)
     try:
-        per_token, at = w.layout.bytes_per_token, 0
-        buf = scratch.take(sum(len(it) for it in job.items) * per_token)
-        for it, li in zip(job.items, leased.items):
-            if not li.ok:
-                raise RuntimeError(f"{w.identity.shard}: a miss")
-            ch, n = li.chunks[0], len(it)
-            GqaRows.of(buf[at:at + n * per_token], w.layout, n).copy_(
-                GqaRows.of(pool.chunk_view(ch), w.layout, ch.num_tokens).narrow(2, it.row, n))
-            at += n * per_token
+        if not all(li.ok for li in leased.items):
+            raise RuntimeError(f"{w.identity.shard}: a miss")
+        chunks = [li.chunks[0] for li in leased.items]
+        rows = [GqaRows.of(pool.chunk_view(ch), w.layout, ch.num_tokens).narrow(2, it.row, len(it))
+                for ch, it in zip(chunks, job.items)]
+        place_rows(cache, job, rows, w, scratch)
         if not pool.intact(leased):
-            raise RuntimeError("a lease expired during the read")
-        return sum(li.chunks[0].length for li in leased.items)
+            raise RuntimeError("a lease expired during the load")
+        return sum(ch.length for ch in chunks)
     finally:
         pool.release(leased)
 
 
-def fetch_resharded(c: SyncSidecarClient, job: LoadJob, w: EngineShape, scratch: Scratch,
-                    pool: PoolClient | None) -> int:
-    got = fetch_across(job, w, lambda fn: fn(c), scratch, raw=True, pool=pool)
-    if got is None or any(rows is None for _, rows, _, _ in got):
+def load_resharded(c: SyncSidecarClient, job: LoadJob, w: EngineShape, cache: PagedKV, scratch: Scratch,
+                   pool: PoolClient | None) -> int:
+    """The same load from what another TP size stored (``fetch_across``, then placed)."""
+    read = fetch_across(job, w, lambda fn: fn(c), scratch, raw=True, pool=pool)
+    if read is None or any(rows is None for _, rows, _, _ in read[0]):
         raise RuntimeError(f"{w.identity.shard} from {job.plan_shard!r}: a miss")
+    got, finish = read
+    place_rows(cache, job, [rows for _, rows, _, _ in got], w, scratch)
+    if not finish():
+        raise RuntimeError("a lease expired during the load")
     return sum(moved for *_, moved in got)
+
+
+def place_rows(cache: PagedKV, job: LoadJob, rows: list, w: EngineShape, scratch: Scratch) -> None:
+    items = [(it.start, it.end, r, 0) for it, r in zip(job.items, rows)]
+    with single_threaded():
+        place(cache, GqaRows, items, torch.tensor(job.block_ids, dtype=torch.int64), staging=HOST, rope=w.rope,
+              layout=w.layout, scratch=scratch)
 
 
 def timed(fn) -> tuple[float, Any]:
@@ -127,14 +148,16 @@ def timed(fn) -> tuple[float, Any]:
 
 
 def measure(c: SyncSidecarClient, pool: PoolClient | None, cross: LoadJob, own: LoadJob,
-            workers: list[EngineShape], reps: int, share: int) -> dict[str, Any]:
-    """Median ms per worker fetch, resharded and same, interleaved worker by worker; bytes."""
+            workers: list[EngineShape], reps: int, share: int, tokens: int) -> dict[str, Any]:
+    """Median ms per worker load, resharded and same, interleaved worker by worker; bytes."""
     t_x, t_s, b_x, b_s = [], [], set(), set()
-    scratch = [Scratch() for _ in workers]  # each worker's own (resharding.py)
-    for rep in range(reps + 1):  # rep 0 warms up
-        for w in workers:
-            tx, bx = timed(lambda: fetch_resharded(c, cross, w, scratch[w.tp_rank], pool))
-            ts, bs = timed(lambda: fetch_same(c, own, w, scratch[w.tp_rank], pool))
+    for w in workers:
+        cache = PagedKV([torch.zeros((tokens // BLOCK + 2, w.num_kv_heads, BLOCK, 2 * HEAD), dtype=torch.bfloat16)
+                         for _ in range(w.num_layers)], BlockLayout.vec(w.num_kv_heads, BLOCK, HEAD))
+        scratch = Scratch()  # the worker's own (placing.py, resharding.py)
+        for rep in range(reps + 1):  # rep 0 warms up
+            tx, bx = timed(lambda: load_resharded(c, cross, w, cache, scratch, pool))
+            ts, bs = timed(lambda: load_same(c, own, w, cache, scratch, pool))
             if rep:
                 t_x.append(tx)
                 t_s.append(ts)
@@ -185,7 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if own.plan_shard is not None:
                     raise RuntimeError(f"{direction}: the own-cut plan names {own.plan_shard!r}")
                 for path, pool in (("pool", pools), ("fetch", None)):
-                    row = measure(c, pool, cross, own, engines[readers], args.reps, model_bytes // readers)
+                    row = measure(c, pool, cross, own, engines[readers], args.reps, model_bytes // readers, n)
                     row.update(direction=direction, path=path, readers=readers, stored_by=stored_by)
                     rows.append(row)
                     print(f"{direction:>10} {path:>5}: {row['resharded_ms']:8.1f} ms vs {row['same_ms']:8.1f} ms "

@@ -2,12 +2,12 @@
 
 When the scheduler side's Lookup found the items under another cut (``LoadJob.plan_shard``,
 the stored cut's rank-0 shard: a TP 1 engine reading what a TP 4 one stored, or the reverse),
-each worker fetches from the ranks of that cut holding its own KV heads
-(``sidecar.cuts.covering``): one Fetch per source rank, naming the source rank's identity, the
-plan's identity and the head range it needs (``FetchRequest.heads``), so the sidecar sends
-exactly this worker's share. The parts are joined into the worker's rows (one copy) before the
-usual placement. Same-host or not, these loads go over Fetch (its shared-memory buffer on the
-sidecar's host): a lease answers whole chunks.
+each worker reads from the ranks of that cut holding its own KV heads
+(``sidecar.cuts.covering``): on the sidecar's host it leases their chunks in the shared pool and
+reads only its heads there (from one source rank the placement reads them in place; from
+several they are joined first, one copy); elsewhere one Fetch per source rank names the source
+rank's identity, the plan's identity and the head range it needs (``FetchRequest.heads``), so
+the sidecar sends exactly this worker's share, and the parts are joined.
 
 A source rank missing a chunk makes the item a miss for this worker only: vLLM recomputes its
 blocks (on every worker, as for any failed load). Pipeline stages must match; an MLA latent is
@@ -16,6 +16,7 @@ not cut by heads (every TP size reads the same shard, so it never gets here).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -32,13 +33,19 @@ if TYPE_CHECKING:
 
 
 def fetch_across(job: "LoadJob", shape: "EngineShape", call: Any, scratch: "Scratch", *, raw: bool,
-                 pool: "PoolClient | None" = None) -> list[tuple[Any, torch.Tensor | None, int, int]] | None:
-    """Each item's rows (None: a miss), the delta still to apply here, and the bytes fetched,
-    from the cut ``job.plan_shard`` names; None when this worker cannot read that cut (then
-    every item is a miss). ``call(fn)``: the worker's fail-soft call (``fn(client)``, None when
-    the sidecar failed). With ``pool`` (the sidecar's shared pool, mapped), each source rank's
-    chunks are leased and only this worker's heads are read from the pool; else fetched
-    (``FetchRequest.heads``). The rows are views of ``scratch`` (valid until its next use)."""
+                 pool: "PoolClient | None" = None
+                 ) -> tuple[list[tuple[Any, torch.Tensor | None, int, int]], Callable[[], bool]] | None:
+    """Each item's rows (None: a miss), the delta still to apply here and the bytes read, from
+    the cut ``job.plan_shard`` names, and ``finish()``: call it once the rows are placed; False
+    when a leased chunk's bytes changed meanwhile (its lease expired: the load is not to be
+    trusted). None when this worker cannot read that cut (every item is a miss).
+
+    ``call(fn)``: the worker's fail-soft call (``fn(client)``, None when the sidecar failed).
+    With ``pool`` (the sidecar's shared pool, mapped), each source rank's chunks are leased and
+    only this worker's heads are read: from one source rank the rows are strided views of the
+    pool (no copy here; the placement reads them), from several they are joined into
+    ``scratch`` (valid until its next use). Without, each source rank's Fetch names the head
+    range (``FetchRequest.heads``) and the parts are joined into ``scratch``."""
     own, src = cut_of(shape.identity.shard), cut_of(job.plan_shard or "")
     if own is None or src is None or shape.mla or own.rest != src.rest:
         return None
@@ -48,8 +55,9 @@ def fetch_across(job: "LoadJob", shape: "EngineShape", call: Any, scratch: "Scra
     src_layout = heads_layout(shape.layout, shape.model_kv_heads // src.size)
     plan = replace(shape.identity, shard=src.shard(0), kv_layout=src_layout.fingerprint())
     items = job.items
+    in_place = pool is not None and len(parts) == 1
     per_token = shape.layout.bytes_per_token
-    buf = scratch.take(sum(len(it) for it in items) * per_token)
+    buf = None if in_place else scratch.take(sum(len(it) for it in items) * per_token)
     at = [0]
     for it in items:
         at.append(at[-1] + len(it) * per_token)
@@ -57,15 +65,21 @@ def fetch_across(job: "LoadJob", shape: "EngineShape", call: Any, scratch: "Scra
     deltas: list[int | None] = [None] * len(items)
     ok = [True] * len(items)
     moved = [0] * len(items)
+    finishes = []
     for rank, first, count, here in parts:
         source = replace(plan, shard=src.shard(rank))
         read = _leased if pool is not None else _fetched
         answers, finish = read(call, pool, items, source, plan, src_layout, shape, first, count, raw)
+        finishes.append(finish)
         for i, got in enumerate(answers):
             if not ok[i] or got is None:
                 ok[i] = False
                 continue
             part, delta, nbytes = got
+            moved[i] += nbytes
+            if in_place:
+                rows[i], deltas[i] = part, delta
+                continue
             if deltas[i] is None:
                 deltas[i] = delta
                 rows[i] = GqaRows.of(buf[at[i]:at[i + 1]], shape.layout, len(items[i]))
@@ -73,10 +87,11 @@ def fetch_across(job: "LoadJob", shape: "EngineShape", call: Any, scratch: "Scra
                 ok[i] = False
                 continue
             rows[i][:, :, :, here:here + count] = part
-            moved[i] += nbytes
-        if not finish():  # a leased chunk's bytes changed during the join (its lease expired)
-            ok = [False] * len(items)
-    return [(it, rows[i] if ok[i] else None, deltas[i] or 0, moved[i]) for i, it in enumerate(items)]
+
+    def finish_all() -> bool:
+        return all([f() for f in finishes])  # every one ends its leases
+
+    return [(it, rows[i] if ok[i] else None, deltas[i] or 0, moved[i]) for i, it in enumerate(items)], finish_all
 
 
 def _fetched(call, pool, items, source, plan, src_layout, shape, first, count, raw):

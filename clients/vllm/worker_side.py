@@ -204,12 +204,13 @@ class WorkerSide:
         t0 = time.perf_counter()
         across = job.plan_shard is not None and job.plan_shard != (self.shape.planned or self.shape.identity).shard
         pool = self._pool(job.tenant)
+        finish_across = None
         if across:  # another tensor-parallel cut stored the chunks (resharding.py)
             with single_threaded():  # its joins are many small copies, as the placement's
-                got = fetch_across(job, self.shape, lambda fn: self.link.call("fetch", job.tenant, fn),
-                                   self._reshard_scratch, raw=self.engine_rotates or pool is not None, pool=pool)
-            pool = None  # its leases ended with the join
-            got = got if got is not None else [(it, None, 0, 0) for it in job.items]
+                read = fetch_across(job, self.shape, lambda fn: self.link.call("fetch", job.tenant, fn),
+                                    self._reshard_scratch, raw=self.engine_rotates or pool is not None, pool=pool)
+            got, finish_across = read if read is not None else ([(it, None, 0, 0) for it in job.items], None)
+            pool = None  # its leases end with finish_across
             self.counters["resharded_loads"] += 1
         else:
             got = self._lease(job, pool) if pool is not None else self._fetch(job)
@@ -229,6 +230,12 @@ class WorkerSide:
                 registered=pool is not None and pool.mapped is not None and pool.mapped.pinned)
         if pool is not None:
             self._end_lease(job, pool)
+        if finish_across is not None:
+            self.staging.synchronize()  # CUDA: the copies out of the pool have read it
+            if not finish_across():  # a leased chunk changed under the load: recomputed
+                for it in job.items:
+                    self._fail_blocks(job, it.start, it.end)
+                self.counters["pool_torn_loads"] += 1
         self.counters["fetch_us"] += int((t1 - t0) * 1e6)
         self.counters["scatter_us"] += int((time.perf_counter() - t1) * 1e6)
         self.counters["loads"] += 1

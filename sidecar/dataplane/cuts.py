@@ -113,9 +113,9 @@ def slice_heads(payload: torch.Tensor, layout: KVLayout, num_tokens: int, start:
     src_at = dst_at = 0
     for p, q in zip(layout.parts, out_layout.parts):
         n_src, n_dst = num_tokens * p.bytes_per_token, num_tokens * q.bytes_per_token  # per layer
-        row = p.bytes_per_token // p.shape[0]  # one head's bytes
-        s = src[:, src_at:src_at + n_src].reshape(layout.num_layers, num_tokens, p.shape[0], row)
-        d = dst[:, dst_at:dst_at + n_dst].reshape(layout.num_layers, num_tokens, count, row)
-        np.copyto(d, s[:, :, start:start + count])
+        head = np.dtype((np.void, p.bytes_per_token // p.shape[0]))  # one head's bytes: one item
+        s = src[:, src_at:src_at + n_src].view(head).reshape(layout.num_layers, num_tokens, p.shape[0])
+        d = dst[:, dst_at:dst_at + n_dst].view(head).reshape(layout.num_layers, num_tokens, count)
+        np.copyto(d, s[:, :, start:start + count])  # a memcpy per head row, not per byte
         src_at, dst_at = src_at + n_src, dst_at + n_dst
     return out

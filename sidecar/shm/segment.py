@@ -1,14 +1,20 @@
 """The client's side: shared-memory buffers (``Segment``), lent one per call in flight
-(``Lease``) by a ``SegmentPool`` that takes a buffer back once no payload view into it is left."""
+(``Lease``) by a ``SegmentPool`` that takes a buffer back once no payload view into it is left.
+
+A buffer's creator holds a shared ``flock`` on it for the buffer's life, so a process killed
+before it could remove its buffers (SIGKILL, the OOM killer) leaves files nobody locks; the next
+``SegmentPool`` on the host removes those older than a minute (``reap``)."""
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
 import re
 import secrets
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -55,13 +61,15 @@ class Segment:
         self.path = os.path.join(directory, self.name)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # alive while this fd is open (``reap``)
             os.ftruncate(fd, size)
             self._map = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
             os.unlink(self.path)
             raise
-        os.close(fd)
+        self._fd = fd
+        weakref.finalize(self, os.close, fd)
         self._map[: len(MAGIC) + TOKEN_BYTES] = MAGIC + self.token
 
     def array(self) -> np.ndarray:
@@ -125,6 +133,7 @@ class SegmentPool:
         self._lock = threading.RLock()
         self._names: set[str] = set()  # every buffer not yet unlinked (for the exit finalizer)
         self._finalizer = weakref.finalize(self, _unlink_all, self._names)
+        reap(directory)
 
     def lease(self, need: int = 0) -> Lease | None:
         """A buffer for one call that expects at least ``need`` payload bytes (0: unknown), or
@@ -207,3 +216,42 @@ def _unlink_all(paths: set[str]) -> None:
         except FileNotFoundError:
             pass
     paths.clear()
+
+
+#: a buffer younger than this is never reaped (its creator locks it a moment after creating it)
+REAP_AFTER_S = 60.0
+
+
+def reap(directory: str = SHM_DIR, older_than_s: float = REAP_AFTER_S) -> int:
+    """Remove the buffers of processes that are gone (no process holds their lock, and older than
+    ``older_than_s``); how many."""
+    n = 0
+    now = time.time()
+    try:
+        names = [f for f in os.listdir(directory) if NAME_PATTERN.fullmatch(f)]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            young = now - os.fstat(fd).st_mtime < older_than_s
+            if not young:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            young = True  # locked: alive
+        if young:
+            os.close(fd)
+            continue
+        try:
+            os.unlink(path)
+            n += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return n
+
