@@ -241,6 +241,8 @@ def run_size(case: Case, reps: int) -> dict[str, Any]:
     interleaved), then Store (fresh prompts, interleaved)."""
     nbytes = case.nbytes
     copy_s = copy_seconds(case.src, reps)
+    case.src = None  # not needed until the Stores (rebuilt then): memory stays bounded
+    gc.collect()
     fetch_t: dict[str, dict[str, list[float]]] = {k: {p: [] for p in FETCH_PATHS} for k in case.plans}
     for kind in case.plans:  # warm-up: pages faulted, buffers grown, numba compiled; bytes checked
         case.fetch("pool", kind)
@@ -261,6 +263,7 @@ def run_size(case: Case, reps: int) -> dict[str, Any]:
     case.forget(case.prompt)
     case.staging.clear()
     gc.collect()
+    case.src = engine_kv(case.layout, case.n)  # the same KV (seeded) for the Stores
     store_t: dict[str, list[float]] = {p: [] for p in STORE_PATHS}
     for i in range(reps + 1):  # rep 0 warms up
         for path in STORE_PATHS:

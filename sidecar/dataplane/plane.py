@@ -72,7 +72,7 @@ from sidecar.tiers import (
     TieredStore,
     chunk_key,
 )
-from sidecar.tiers.store_pool import Slot
+from sidecar.tiers.store_pool import Slot, slot_checksums
 
 logger = logging.getLogger(__name__)
 
@@ -320,11 +320,14 @@ class DataPlane(FetchPath, HeldPath):
             )
             if need:
                 self.claims.check_store(tenant, need)
+        slots = [payloads[s] for s in order if isinstance(payloads[s], Slot)]
+        sums = dict(zip(map(id, slots), await slot_checksums(slots))) if len(slots) > 1 else {}
         puts = [
             functools.partial(
                 self.store.put_slot, payloads[start], layout=layout,  # written in place in the shared pool
                 num_tokens=entries[start].num_tokens, tenant=tenant, scope=scope,
                 source_position=entries[start].source_pos, aux=encode_aux(entries[start]), publish=self.publish_remote,
+                payload_checksum=sums.get(id(payloads[start])),
             ) if isinstance(payloads[start], Slot) else functools.partial(
                 self.store.put, chunk_key(entries[start].key), payloads[start], layout=layout,
                 num_tokens=entries[start].num_tokens, tenant=tenant, scope=scope,

@@ -15,6 +15,7 @@ Both work on the CPU tier only, and only when its pool is shared (``CpuTier.pool
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from dataclasses import dataclass, field, replace
@@ -200,9 +201,11 @@ class StorePool(StoreMoves):
             self._place.release_quota(slot.tenant, slot.nbytes)
 
     def put_slot(self, slot: Slot, *, layout: KVLayout, num_tokens: int, tenant: str, scope: str | None = None,
-                 source_position: int = 0, aux: bytes = b"", publish: bool = False) -> PutResult:
-        """``put`` of a filled slot: checksummed as its bytes are now, its header written, and
-        indexed in the CPU tier, without a copy. The slot is used up either way."""
+                 source_position: int = 0, aux: bytes = b"", publish: bool = False,
+                 payload_checksum: int | None = None) -> PutResult:
+        """``put`` of a filled slot: checksummed as its bytes are now (``payload_checksum``: as
+        the caller computed them from the slot just before, ``slot_checksums``), its header
+        written, and indexed in the CPU tier, without a copy. The slot is used up either way."""
         self._take_slot(slot)
         key = slot.key
         expected = payload_nbytes(layout, num_tokens)
@@ -225,7 +228,7 @@ class StorePool(StoreMoves):
                     self._counters.duplicate_puts += 1
                 published = self._publish(existing) if publish else existing.remote
                 return PutResult(key, existing.fastest() or Tier.REMOTE, False, published)
-            meta = replace(meta, checksum=checksum(slot.payload))
+            meta = replace(meta, checksum=checksum(slot.payload) if payload_checksum is None else payload_checksum)
             write_header(slot.view[:HEADER_NBYTES], meta)
             self._io.mem[Tier.CPU].commit_slot(slot.id, key)
             with self._lock:
@@ -244,3 +247,10 @@ class StorePool(StoreMoves):
             slots, self._slots = list(self._slots.values()), {}
         for slot in slots:
             self._free_slot(slot)
+
+
+async def slot_checksums(slots: list[Slot]) -> list[int]:
+    """The payload checksum of each filled slot, computed on worker threads side by side (the
+    hash releases the GIL: a commit's checksums take the cores the engine left idle)."""
+    return list(await asyncio.gather(*(asyncio.to_thread(checksum, s.payload) for s in slots)))
+

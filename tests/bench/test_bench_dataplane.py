@@ -25,7 +25,7 @@ def test_quick_run_measures_every_row():
     for r in rows:
         assert r["ms"] > 0 and r["gbps"] > 0 and r["x_copy"] > 0
         assert r["x_break_even"] == pytest.approx(r["gbps"] / dataplane.BREAK_EVEN_GBPS)
-    assert out["settings"]["sidecar"]["pool_lease_ttl_s"] > 0
+    assert out["settings"]["sidecar"]["1024"]["pool_lease_ttl_s"] > 0  # per size: its own sidecar
 
 
 def test_a_staging_difference_is_raised():
