@@ -38,7 +38,8 @@ def serialize_fetch(msg: "pb.FetchResponse | pb.FetchSessionResponse | bytes") -
 _DATA_TAG = bytes([(8 << 3) | 2])  # FetchResponse.data / FetchSessionResponse.data: field 8, length-delimited
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """``n`` as a protobuf base-128 varint."""
     out = bytearray()
     while True:
         b = n & 0x7F
@@ -64,7 +65,7 @@ def fetch_frames(
         end = min(n, off + part_bytes)
         head = meta if first else cls(index=meta.index)
         head.last = end >= n
-        yield b"".join((head.SerializeToString(), _DATA_TAG, _varint(end - off), payload[off:end]))
+        yield b"".join((head.SerializeToString(), _DATA_TAG, varint(end - off), payload[off:end]))
         first = False
         off = end
         if off >= n:
@@ -137,7 +138,7 @@ class FetchFrame:
     more: "list[FetchFrame] | None" = None  # the next answers, sent in this message (shared memory)
 
 
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+def _readvarint(buf: memoryview, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:
         b = buf[pos]
@@ -156,10 +157,10 @@ def parse_fetch_frame(frame: bytes | memoryview) -> FetchFrame:
     out = FetchFrame()
     pos, n = 0, len(buf)
     while pos < n:
-        tag, pos = _read_varint(buf, pos)
+        tag, pos = _readvarint(buf, pos)
         field, wire = tag >> 3, tag & 7
         if wire == 0:
-            value, pos = _read_varint(buf, pos)
+            value, pos = _readvarint(buf, pos)
             if field == 1:
                 out.index = value
             elif field == 2:
@@ -185,7 +186,7 @@ def parse_fetch_frame(frame: bytes | memoryview) -> FetchFrame:
             elif field == 15:
                 out.shm_length = value
         elif wire == 2:
-            size, pos = _read_varint(buf, pos)
+            size, pos = _readvarint(buf, pos)
             if field == 7:
                 out.tier = bytes(buf[pos : pos + size]).decode()
             elif field == 8:

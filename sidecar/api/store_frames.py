@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sidecar.api.frames import varint
 from sidecar.api.kv import PART_BYTES, identity_to_wire, layout_to_wire, payload_view, tokens_to_wire
 from sidecar.errors import InvalidArgument
 from sidecar.identity import CacheIdentity, KVLayout
@@ -42,23 +43,11 @@ _LAST_TAG = 0x18  # PayloadPart.last: field 3, varint
 _LAST = bytes((_LAST_TAG, 1))
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
 def part_frame(chunk_start: int, data: memoryview, last: bool) -> bytes:
     """The wire frame of one payload part (``StoreRequest{payload}``): ``data`` copied once."""
-    head = b"".join((bytes((_START_TAG,)), _varint(chunk_start), _LAST if last else b"",
-                     bytes((_DATA_TAG,)), _varint(len(data))))
-    return b"".join((bytes((_PAYLOAD_TAG,)), _varint(len(head) + len(data)), head, data))
+    head = b"".join((bytes((_START_TAG,)), varint(chunk_start), _LAST if last else b"",
+                     bytes((_DATA_TAG,)), varint(len(data))))
+    return b"".join((bytes((_PAYLOAD_TAG,)), varint(len(head) + len(data)), head, data))
 
 
 class StoreFrames:
@@ -140,7 +129,7 @@ class _Other(Exception):
     """Not the one-part form this decoder reads in place: protobuf parses the frame."""
 
 
-def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+def _readvarint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
     result = shift = 0
     while pos < end:
         b = buf[pos]
@@ -181,22 +170,22 @@ def parse_store_request(frame: bytes) -> StorePart | pb.StoreRequest:
 
 
 def _parse_part(buf: memoryview, n: int) -> StorePart:
-    size, pos = _read_varint(buf, 1, n)
+    size, pos = _readvarint(buf, 1, n)
     end = pos + size
     start, last, data = 0, False, memoryview(b"")
     while pos < min(end, n):
-        tag, pos = _read_varint(buf, pos, n)
+        tag, pos = _readvarint(buf, pos, n)
         if tag == _DATA_TAG:
-            length, pos = _read_varint(buf, pos, n)
+            length, pos = _readvarint(buf, pos, n)
             if pos + length > min(end, n):
                 raise _truncated("payload.data", length, min(end, n) - pos)
             data = buf[pos : pos + length]
             pos += length
         elif tag == _START_TAG:
-            value, pos = _read_varint(buf, pos, n)
+            value, pos = _readvarint(buf, pos, n)
             start = value & 0xFFFFFFFF  # uint32, as protobuf reads a wider varint
         elif tag == _LAST_TAG:
-            value, pos = _read_varint(buf, pos, n)
+            value, pos = _readvarint(buf, pos, n)
             last = value != 0
         else:
             raise _Other  # an unknown field: protobuf's rules apply

@@ -23,12 +23,11 @@ import re
 import secrets
 import stat
 import struct
-import time
 
 import numpy as np
 import torch
 
-from sidecar.shm.segment import SHM_DIR
+from sidecar.shm.segment import REAP_AFTER_S, SHM_DIR, reap_unlocked
 
 #: the names the sidecar gives its pools (without LMCache's prefix), and the files they become
 _OWN_PREFIX = "kvsc_pool_"
@@ -81,42 +80,11 @@ class PoolFile:
             self._fd = -1
 
 
-#: a pool file younger than this is never reaped: LMCache creates it a moment before its
-#: sidecar takes the lock, and another sidecar starting then must not take it for a dead one's
-REAP_AFTER_S = 60.0
-
-
 def reap(directory: str = SHM_DIR) -> int:
     """Remove the pools of sidecars that are gone (no process holds their lock, and older than
-    ``REAP_AFTER_S``); how many."""
-    n = 0
-    now = time.time()
-    try:
-        names = [f for f in os.listdir(directory) if FILE_PATTERN.fullmatch(f)]
-    except OSError:
-        return 0
-    for f in names:
-        path = os.path.join(directory, f)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
-            continue
-        try:
-            if now - os.fstat(fd).st_mtime < REAP_AFTER_S:
-                os.close(fd)  # being created, or its sidecar has just started
-                continue
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)  # alive
-            continue
-        try:
-            os.unlink(path)
-            n += 1
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return n
+    ``REAP_AFTER_S``: LMCache creates a pool a moment before its sidecar takes the lock, and
+    another sidecar starting then must not take it for a dead one's); how many."""
+    return reap_unlocked(directory, FILE_PATTERN, REAP_AFTER_S)
 
 
 class MappedPool:

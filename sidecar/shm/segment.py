@@ -218,17 +218,23 @@ def _unlink_all(paths: set[str]) -> None:
     paths.clear()
 
 
-#: a buffer younger than this is never reaped (its creator locks it a moment after creating it)
+#: a file younger than this is never reaped: its creator locks it a moment after creating it
 REAP_AFTER_S = 60.0
 
 
 def reap(directory: str = SHM_DIR, older_than_s: float = REAP_AFTER_S) -> int:
-    """Remove the buffers of processes that are gone (no process holds their lock, and older than
-    ``older_than_s``); how many."""
+    """Remove the buffers of processes that are gone (``reap_unlocked``); how many."""
+    return reap_unlocked(directory, NAME_PATTERN, older_than_s)
+
+
+def reap_unlocked(directory: str, pattern: re.Pattern, older_than_s: float = REAP_AFTER_S) -> int:
+    """Remove the files of ``directory`` named by ``pattern`` that no process holds a lock on
+    and that are older than ``older_than_s`` (their creators are gone); how many. The pool's
+    files and the client buffers both live by this rule."""
     n = 0
     now = time.time()
     try:
-        names = [f for f in os.listdir(directory) if NAME_PATTERN.fullmatch(f)]
+        names = [f for f in os.listdir(directory) if pattern.fullmatch(f)]
     except OSError:
         return 0
     for name in names:
@@ -254,4 +260,3 @@ def reap(directory: str = SHM_DIR, older_than_s: float = REAP_AFTER_S) -> int:
         finally:
             os.close(fd)
     return n
-
