@@ -232,15 +232,15 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(11, 4.6))
     xs = np.arange(len(rows))
     ax.bar(xs - 0.2, [r["same_ms"] for r in rows], 0.4, label="same TP size stored it", color="tab:gray")
     ax.bar(xs + 0.2, [r["resharded_ms"] for r in rows], 0.4, label="another TP size stored it", color="tab:green")
     for x, r in zip(xs, rows):
         ax.text(x + 0.2, r["resharded_ms"], f"{r['x_same']:.2f}x", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(xs, [r["direction"] for r in rows], fontsize=8)
+    ax.set_xticks(xs, [f"{r['direction']}\n{r['path']}" for r in rows], fontsize=7)
     ax.set_ylabel("ms per worker (median)")
-    ax.set_title("One worker's Fetch of a 4K-token Llama-3-8B prompt: re-sharded vs same-TP")
+    ax.set_title("One worker's load of a 4K-token Llama-3-8B prompt: re-sharded vs same-TP")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
