@@ -68,8 +68,14 @@ def other_leads(identity: CacheIdentity, identities) -> list[CacheIdentity]:
         c = cut_of(other.shard)
         if c is None or c.size == cut.size or c.size in out or model_key(other, c) != key:
             continue
-        out[c.size] = other if c.rank == 0 else replace(other, shard=c.shard(0))
+        out[c.size] = lead_of(other, c)
     return [out[n] for n in sorted(out)]
+
+
+def lead_of(identity: CacheIdentity, cut: Cut) -> CacheIdentity:
+    """The identity of rank 0 of ``identity``'s cut (``cut``: its ``cut_of``): every rank of one
+    TP size has the same ``kv_layout``, so only the shard differs."""
+    return identity if cut.rank == 0 else replace(identity, shard=cut.shard(0))
 
 
 def heads_layout(layout: KVLayout, count: int) -> KVLayout:

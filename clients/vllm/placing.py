@@ -20,6 +20,7 @@ the request whose block table is ``block_ids``, and ``delta`` is the RoPE shift 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -115,8 +116,6 @@ def _place_runs(cache: "CacheView", rows_kind: Any, runs: list, block_ids: torch
                 context: Any = None) -> int:
     """Per run: its rows joined (one copy where there are several), rotated in place, scattered.
     The rows must be the caller's own (a device copy, or latent rows built by ``LatentRows.of``)."""
-    from contextlib import nullcontext  # noqa: PLC0415
-
     axis = rows_kind.token_axis
     rotated = 0
     with context if context is not None else nullcontext():

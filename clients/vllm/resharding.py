@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from clients.vllm.rows import GqaRows
+from clients.vllm.rows import GqaRows, fetched_rows, leased_rows
 from sidecar.cuts import covering, cut_of, heads_layout
 
 if TYPE_CHECKING:
@@ -104,12 +104,8 @@ def _fetched(call, pool, items, source, plan, src_layout, shape, first, count, r
     out = []
     for i, it in enumerate(items):
         f = got[i] if got is not None else None
-        n = len(it)
-        if f is None or not f.ok or f.num_tokens < it.row + n or not (f.rotated or f.delta == 0 or raw):
-            out.append(None)
-        else:
-            out.append((GqaRows.of(f.data, share, f.num_tokens).narrow(2, it.row, n), 0 if f.rotated else f.delta,
-                        len(f.data)))
+        rows = fetched_rows(f, it, GqaRows, share, raw)
+        out.append(None if rows is None else (*rows, len(f.data)))
     return out, lambda: True
 
 
@@ -123,15 +119,10 @@ def _leased(call, pool, items, source, plan, src_layout, shape, first, count, ra
         return [None] * len(items), lambda: True
     share = heads_layout(src_layout, count).bytes_per_token
     out = []
-    for i, it in enumerate(items):
-        li = leased.items[i]
-        n = len(it)
-        if not li.ok or li.num_tokens < it.row + n:
-            out.append(None)
-            continue
-        c = li.chunks[0]  # a plain item is one chunk
-        view = GqaRows.of(pool.chunk_view(c), src_layout, c.num_tokens).narrow(2, it.row, n)
-        out.append((view[:, :, :, first:first + count], c.delta, c.num_tokens * share))
+    for li, it in zip(leased.items, items):
+        rows = leased_rows(pool, li, it, GqaRows, src_layout)
+        out.append(None if rows is None else (rows[0][:, :, :, first:first + count], rows[1],
+                                              li.chunks[0].num_tokens * share))
 
     def finish() -> bool:
         intact = pool.intact(leased)

@@ -14,7 +14,7 @@ bit-identical. No per-token Python: one call per run of rows.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -94,3 +94,26 @@ def stacked_flat(data: object, layout: KVLayout, num_tokens: int) -> torch.Tenso
         raise ValueError(f"payload is {buf.numel()} bytes; the layout x {num_tokens} tokens needs "
                          f"{payload_nbytes(layout, num_tokens)}")
     return buf.view(TORCH_DTYPES[layout.parts[0].dtype]).view(layout.num_layers, -1)
+
+
+def fetched_rows(f: Any, item: Any, rows_kind: Any, layout: KVLayout, raw: bool) -> tuple[torch.Tensor, int] | None:
+    """The rows of a Fetch answer ``f`` (``FetchedKV``, None when the call failed) that load
+    ``item`` (a ``LoadItem``: rows ``[row, row + len(item))``), and the delta still to apply
+    here; None when the answer cannot serve it (a miss, too short, or shifted and not rotated
+    while the caller does not rotate: ``raw``)."""
+    n = len(item)
+    if f is None or not f.ok or f.num_tokens < item.row + n or not (f.rotated or f.delta == 0 or raw):
+        return None
+    return rows_kind.of(f.data, layout, f.num_tokens).narrow(rows_kind.token_axis, item.row, n), 0 if f.rotated else f.delta
+
+
+def leased_rows(pool: Any, leased: Any, item: Any, rows_kind: Any, layout: KVLayout) -> tuple[torch.Tensor, int] | None:
+    """``fetched_rows`` of a lease's item ``leased`` (``LeasedItem``, None when the call failed):
+    a view of the shared pool (``pool``'s mapping, no copy) at the chunk's source position, and
+    its delta; None for a miss or too short an answer."""
+    n = len(item)
+    if leased is None or not leased.ok or leased.num_tokens < item.row + n:
+        return None
+    c = leased.chunks[0]  # a plain item is one chunk
+    return rows_kind.of(pool.chunk_view(c), layout, c.num_tokens).narrow(rows_kind.token_axis, item.row, n), c.delta
+

@@ -49,7 +49,7 @@ from clients.vllm.paged import BlockLayout, PagedKV, single_threaded
 from clients.vllm.placing import Scratch, place
 from clients.vllm.refusals import Refused
 from clients.vllm.resharding import fetch_across
-from clients.vllm.rows import GqaRows, LatentRows
+from clients.vllm.rows import GqaRows, LatentRows, fetched_rows, leased_rows
 from clients.vllm.staging import Staging
 
 if TYPE_CHECKING:
@@ -251,12 +251,8 @@ class WorkerSide:
         out = []
         for i, it in enumerate(job.items):
             f = got[i] if got is not None else None
-            n = len(it)
-            if f is None or not f.ok or f.num_tokens < it.row + n or not (f.rotated or f.delta == 0 or engine_rotates):
-                out.append((it, None, 0, 0))
-                continue
-            rows = self.rows.of(f.data, sh.layout, f.num_tokens).narrow(self.rows.token_axis, it.row, n)
-            out.append((it, rows, 0 if f.rotated else f.delta, len(f.data)))
+            rows = fetched_rows(f, it, self.rows, sh.layout, engine_rotates)
+            out.append((it, None, 0, 0) if rows is None else (it, *rows, len(f.data)))
         return out
 
     def _lease(self, job: LoadJob, pool: "PoolClient") -> list[tuple[Any, torch.Tensor | None, int, int]]:
@@ -272,13 +268,8 @@ class WorkerSide:
         out = []
         for i, it in enumerate(job.items):
             li = leased.items[i] if leased is not None else None
-            n = len(it)
-            if li is None or not li.ok or li.num_tokens < it.row + n:
-                out.append((it, None, 0, 0))
-                continue
-            c = li.chunks[0]  # a plain item is one chunk
-            rows = self.rows.of(pool.chunk_view(c), sh.layout, c.num_tokens).narrow(self.rows.token_axis, it.row, n)
-            out.append((it, rows, c.delta, c.length))
+            rows = leased_rows(pool, li, it, self.rows, sh.layout)
+            out.append((it, None, 0, 0) if rows is None else (it, *rows, li.chunks[0].length))
         return out
 
     def _end_lease(self, job: LoadJob, pool: "PoolClient") -> None:

@@ -21,12 +21,11 @@ replicates heads across ranks) is served per shard only.
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 
 import numpy as np
 import torch
 
-from sidecar.cuts import cut_of, heads_layout, model_key
+from sidecar.cuts import cut_of, heads_layout, lead_of, model_key
 from sidecar.errors import InvalidArgument
 from sidecar.identity import CacheIdentity, KVLayout
 
@@ -47,7 +46,7 @@ class CutFamilies:
         cut = cut_of(identity.shard)
         if cut is None:
             return
-        lead = identity if cut.rank == 0 else replace(identity, shard=cut.shard(0))
+        lead = lead_of(identity, cut)
         key = model_key(identity, cut)
         with self._lock:
             sizes = self._by_model.pop(key, None) or {}
