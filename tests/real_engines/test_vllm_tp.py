@@ -207,19 +207,25 @@ def test_a_restarted_tp2_engine_reuses_exact_and_shifted_chunks(alone, reused, p
     """A fresh TP 2 engine: P claimed from the sidecar (all but the last partial block), X's body
     claimed at shifted positions after the gap-fill prefilled its header; each worker loads its
     own shard. Plan realized >= 95% and both answers are vLLM alone's at TP 2."""
-    a = alone["results"]
-    p, x = reused["results"]
+    assert_reused(reused, alone["results"], prompts, "")
+
+
+def assert_reused(served: dict, ref: list[dict], prompts: dict, label: str) -> None:
+    """``served`` (an engine that ran P then X) claimed P whole (all but the last partial block)
+    and X's body after a gap-fill, realized >= 95% of the sidecar's plan, answered both like
+    ``ref`` (vLLM alone over P, Y, X), and loaded without a failure or a sidecar error."""
+    p, x = served["results"]
     whole = (len(prompts["p"]) - 1) // 32 * 32
-    assert p["sidecar"]["claimed_tokens"] == whole, p["sidecar"]
+    assert p["sidecar"]["claimed_tokens"] == whole, (label, p["sidecar"])
     assert x["sidecar"]["gap_fills"] >= 1 and x["sidecar"]["claimed_tokens"] >= 0.8 * len(prompts["x"]), x["sidecar"]
-    for name, got, ref in (("p", p, a[0]), ("x", x, a[2])):
+    for name, got, want in (("p", p, ref[0]), ("x", x, ref[2])):
         share = realized(got["sidecar"])
-        gap, agree = answer_gap(got, ref)
-        print(f"\n{name}: {len(prompts[name])} tokens, {got['sidecar']}; plan realized {share:.1%}; first-token "
-              f"logprobs within {gap:.4f}; {agree}/{MAX_TOKENS} greedy tokens agree")
+        gap, agree = answer_gap(got, want)
+        print(f"\n{label}{name}: {len(prompts[name])} tokens, {got['sidecar']}; plan realized {share:.1%}; "
+              f"first-token logprobs within {gap:.4f}; {agree}/{MAX_TOKENS} greedy tokens agree")
         assert share >= 0.95, got["sidecar"]
-        assert_same_answer(got, ref)
-    sched = reused["scheduler_stats"]
+        assert_same_answer(got, want)
+    sched = served["scheduler_stats"]
     assert not any(k.startswith("error:") for k in sched), sched
     # vLLM unites every worker's failed blocks and recomputes them with this WARNING: none here
-    assert "Recovered from KV load failure" not in reused["log"]
+    assert "Recovered from KV load failure" not in served["log"]

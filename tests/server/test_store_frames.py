@@ -5,8 +5,6 @@ its field and stores nothing; a Store cut into many parts lands bit for bit."""
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import numpy as np
 import pytest
@@ -18,6 +16,7 @@ from sidecar.client import SidecarClient
 from sidecar.errors import InvalidArgument
 from sidecar.v1 import sidecar_pb2 as pb
 from tests.claims.helpers import BLOCK, IDENT, LAYOUT, blocks, config
+from tests.dataplane.test_store_faults import quiesce
 
 PER_CHUNK = LAYOUT.bytes_per_token * BLOCK  # 4 KiB
 N = 4  # chunks per Store
@@ -98,16 +97,6 @@ async def served():
 def state(server) -> tuple[int, int, dict]:
     store = server.dataplane.store
     return len(server.index.registry), len(store.list_chunks()), store.tenant_tier_usage("default")
-
-
-async def quiesce(server) -> None:
-    """Wait (bounded) until no Store handler runs on the server."""
-    gauge = server.metrics.inflight.labels("Store")
-    for _ in range(400):
-        if gauge._value.get() == 0:
-            break
-        await asyncio.sleep(0.025)
-    assert gauge._value.get() == 0
 
 
 def _commit(frames: list[bytes], chunks: int | None = None, nbytes: int | None = None) -> list[bytes]:
