@@ -50,7 +50,7 @@ FIDELITY_ARMS = ("full_prefill", "exact_prefix", "sidecar", "sidecar_k0", "sidec
 def build(name: str, template, n: int, seed: int, *, notes_docs: int = 5):
     """Workload ``name`` with ``n`` requests (``notes_docs``: agent_meta's documents per note)."""
     from bench.ttft_workloads import BenchWorkload, agent_meta_workload
-    from bench.workloads import TextPool, edit_replay, rerank, sysvar, trace_workload
+    from workloads import TextPool, edit_replay, rerank, sysvar, trace_workload
 
     pool = TextPool.load()
     if name == "agent_meta":

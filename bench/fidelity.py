@@ -8,7 +8,7 @@ and whether the arm is bit-identical. Arms: full prefill, exact-prefix reuse, si
 position-independent reuse, the sidecar's exact policy alone, recompute_tokens 8 and 32, the
 left-context window guard (W=32), and naive reuse without rotation (the control).
 
-Scenarios (bench/workloads, offline chat template):
+Scenarios (workloads/, offline chat template):
     agent_meta     a second agent: new (shorter) header, the shared body shifted behind it
     edit_replay    a conversation replayed with an early user turn edited (exact prefix up to
                    the edit, the rest shifted)
@@ -57,7 +57,7 @@ class Scenario:
 
 def build_scenarios(template, *, quick: bool = False, seed: int = 0) -> list[Scenario]:
     from bench.ttft_workloads import trim_header
-    from bench.workloads import TextPool, agent_meta, edit_replay, rerank, sysvar, trace_workload
+    from workloads import TextPool, agent_meta, edit_replay, rerank, sysvar, trace_workload
 
     pool = TextPool.load()
     out = []
@@ -153,10 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from bench.fidelity_config import sidecar_config
     from bench.harness import machine
-    from bench.tokenizer import ChatTemplate
     from clients.transformers.fidelity import DISCLAIMER
     from sidecar.app import ServerThread
     from sidecar.client import SyncSidecarClient
+    from workloads.chat_template import ChatTemplate
 
     t0 = time.perf_counter()
     template = ChatTemplate()

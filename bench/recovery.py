@@ -54,9 +54,9 @@ from bench.recovery_arms import (
     exact_prefix_hits,
     oracle_hits,
 )
-from bench.tokenizer import ANCHOR_TOKENS, ChatTemplate
-from bench.workloads import TextPool, TruncateOldToolOutputs, Workload, default_suite, trace_workload
-from bench.workloads.synthetic import AGENT_META_HEADERS, DEFAULT_REQUESTS
+from workloads import TextPool, TruncateOldToolOutputs, Workload, default_suite, trace_workload
+from workloads.chat_template import ANCHOR_TOKENS, ChatTemplate
+from workloads.synthetic import AGENT_META_HEADERS, DEFAULT_REQUESTS
 
 RESULTS_PATH = Path(__file__).resolve().parent / "results" / "recovery.json"
 GOAL_ORACLE_FRACTION = 0.95

@@ -4,6 +4,8 @@
     ./dev bench rotation --json          # also bench/results/rotation.json
     ./dev bench rotation --drift-only    # only the drift table (docs/rotation.md)
 
+The drift is ``sidecar.rotation.drift.chained_drift`` on Llama-3.1's rotary table.
+
 Every ratio divides by ``dst.copy_(src)`` of the same bytes, measured in the same run and
 interleaved with the kernel (copy, kernel, copy, kernel, ...) so that load from other processes
 hits both alike, in ``--passes`` sweeps over all cases so a burst of load hits few samples of
@@ -40,6 +42,7 @@ import transformers as tf
 from bench.harness import machine, write_results
 from sidecar.identity import KVLayout, KVPart
 from sidecar.rotation import Pairing, RopeSpec, rotate_keys, rotate_keys_native, rotate_payloads_, rotate_slots_
+from sidecar.rotation.drift import chained_drift
 
 KEYS = (32768, 8, 128)  # 32K tokens x 8 KV heads x head_dim 128 (Llama-3.1-8B layer)
 K_PE = (32768, 1, 64)  # 32K tokens of MLA k_pe (DeepSeek-V2/V3)
@@ -233,49 +236,7 @@ def throughput(reps: int, passes: int, threads: list[int], device: str) -> list[
     return rows
 
 
-# ------------------------------------------------------------------ drift
-
-
-def chained_drift(dtype: torch.dtype, chains: tuple[int, ...] = (2, 10, 100), total: int = 25000, rows: int = 512) -> dict[str, float]:
-    """Relative error vs the exact key at the target position, for stored ``dtype`` keys.
-
-    ``exact(p) = R(p) k`` in float64 with the model's fp32 frequencies (Llama-3.1 table). The
-    canonical copy is ``exact(p0)`` stored in ``dtype``. Reported, as ||out - exact|| / ||exact||
-    over all keys (and the worst single key):
-      fresh: ``exact(p0 + total)`` stored in dtype (a re-prefill, storage rounding only)
-      single: one rotation of the canonical copy by ``total``
-      chain_n: n rotations whose deltas sum to ``total`` (each rounds to ``dtype``)
-    """
-    spec = llama31_spec()
-    gen = torch.Generator().manual_seed(3)
-    k = torch.randn(rows, spec.key_dim, generator=gen, dtype=torch.float64)
-    inv = spec.inv_freq_tensor.double()
-
-    def exact(p: int) -> torch.Tensor:
-        ang = p * inv
-        x, y = k[:, : spec.half], k[:, spec.half :]
-        return torch.cat([x * ang.cos() - y * ang.sin(), y * ang.cos() + x * ang.sin()], dim=-1)
-
-    p0 = 1234
-    target = exact(p0 + total)
-
-    def err(out: torch.Tensor) -> tuple[float, float]:
-        diff = out.double() - target
-        per_key = diff.norm(dim=-1) / target.norm(dim=-1)
-        return float(diff.norm() / target.norm()), float(per_key.max())
-
-    stored = exact(p0).to(dtype)
-    result: dict[str, float] = {}
-    result["fresh"], result["fresh_worst"] = err(exact(p0 + total).to(dtype))
-    result["single"], result["single_worst"] = err(rotate_keys(stored, total, spec))
-    for n in chains:
-        steps = torch.randint(-3000, 3000, (n - 1,), generator=gen).tolist()
-        steps.append(total - sum(steps))
-        cur = stored
-        for s in steps:
-            cur = rotate_keys(cur, int(s), spec)
-        result[f"chain_{n}"], result[f"chain_{n}_worst"] = err(cur)
-    return result
+# ------------------------------------------------------------------ output
 
 
 def _print_throughput(rows: list[dict[str, Any]]) -> None:
@@ -353,7 +314,7 @@ def main() -> None:
         payload["throughput"] = rows
         payload["goal_fused_vs_copy"] = 0.5
         print()
-    drift = {str(d).removeprefix("torch."): chained_drift(d) for d in (torch.float32, torch.bfloat16)}
+    drift = {str(d).removeprefix("torch."): chained_drift(llama31_spec(), d) for d in (torch.float32, torch.bfloat16)}
     _print_drift(drift)
     payload["drift"] = drift
     if args.json:

@@ -8,7 +8,7 @@ exact-prefix cache, Lookup -> Fetch -> prefill -> Store through its own sidecar)
 shared remote tier, so a replica serves only what it holds). Every arm of every setting starts
 from a fresh fleet (new sidecar processes and key prefix, empty engine caches).
 
-The traffic: the real agent traces (bench/data/agent_traces: mini-SWE-agent and tau-bench),
+The traffic: the real agent traces (workloads/data/agent_traces: mini-SWE-agent and tau-bench),
 one trajectory per agent, replayed call by call with the truncation policy applied (tool outputs
 older than two turns cut to a head/tail stub, ``TruncateOldToolOutputs``) and a per-agent header
 message first: the agent's name and session, and, with ``stamped`` headers, the time of the
@@ -81,7 +81,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.harness import bench_redis, machine, spawn_sidecar, stop_process, write_results
-from bench.workloads.traces import TruncateOldToolOutputs, load_trajectories
+from workloads.traces import TruncateOldToolOutputs, load_trajectories
 
 REPLICAS = ("r0", "r1", "r2")
 ARMS = ("round_robin", "prefix", "sidecar", "prefix_apc")

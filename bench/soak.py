@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 from bench.harness import machine, pct, sidecar_process, write_results
-from bench.tokenizer import ChatTemplate
-from bench.workloads import TruncateOldToolOutputs, trace_workload
 from sidecar.client import RetryPolicy, SyncSidecarClient
 from sidecar.identity import CacheIdentity, KVLayout
+from workloads import TruncateOldToolOutputs, trace_workload
+from workloads.chat_template import ChatTemplate
 
 LAYOUT = KVLayout.gqa(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16")
 IDENT = CacheIdentity(model_id="soak", kv_layout=LAYOUT.fingerprint())

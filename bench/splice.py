@@ -341,7 +341,7 @@ def edit_near(msgs, template, tools, frac: float, extra: str):
 
 
 def sweep(args: argparse.Namespace, setup, client) -> list[Record]:
-    from bench.workloads import TextPool
+    from workloads import TextPool
 
     pool = TextPool.load()
     msgs, tools = long_history(pool, setup.template, args.sweep_tokens)
@@ -369,8 +369,8 @@ def sweep(args: argparse.Namespace, setup, client) -> list[Record]:
 
 def edit_replay_requests(pool, template, args):
     """(label, conversation index, old messages, new messages, tools): one build -> edit ->
-    replay per conversation (the seed's pattern; bench.workloads.edit_replay's edit)."""
-    from bench.workloads.synthetic import _pick_trajectories
+    replay per conversation (the seed's pattern; workloads.edit_replay's edit)."""
+    from workloads.synthetic import _pick_trajectories
 
     rng = np.random.default_rng([args.seed, 5])
     out = []
@@ -402,7 +402,7 @@ def trace_requests(pool, name: str, first: int, calls: int):
 
 
 def workloads(args: argparse.Namespace, setup, client) -> list[Record]:
-    from bench.workloads import TextPool
+    from workloads import TextPool
 
     pool = TextPool.load()
     tok = setup.tokenizer

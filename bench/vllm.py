@@ -60,9 +60,9 @@ MAX_MODEL_LEN = 8192
 def workloads(model: str, args: argparse.Namespace) -> list[tuple[str, str, list[np.ndarray]]]:
     from transformers import AutoTokenizer
 
-    from bench.hf_chat import HFChatTemplate
     from bench.ttft_workloads import agent_meta_workload
-    from bench.workloads import TextPool, TruncateOldToolOutputs, sysvar, trace_workload
+    from workloads import TextPool, TruncateOldToolOutputs, sysvar, trace_workload
+    from workloads.hf_chat import HFChatTemplate
 
     tpl = HFChatTemplate(AutoTokenizer.from_pretrained(model))
     pool = TextPool.load()

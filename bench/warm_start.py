@@ -1,7 +1,7 @@
 """Cross-tenant warm start (the Leyline seed's App. S experiment, past 2 tenants).
 
 Workload: T tenants, each with its own system prompt, ask questions about articles drawn from
-a Zipf mix (s = 1.1) over K shared articles (real agent text: ``bench.workloads.TextPool``
+a Zipf mix (s = 1.1) over K shared articles (real agent text: ``workloads.TextPool``
 documents). A prompt is ``[system_t, user(article), user(question)]`` rendered with the offline
 ChatML-style template, so an article's chunks start at a message anchor and chunk the same way
 under every tenant's system prompt (they are hit at a shifted position).
@@ -56,8 +56,8 @@ def build_model(args: argparse.Namespace):
 
 class Prompts:
     def __init__(self, n_articles: int, seed: int) -> None:
-        from bench.tokenizer import ChatTemplate
-        from bench.workloads import TextPool
+        from workloads import TextPool
+        from workloads.chat_template import ChatTemplate
 
         pool = TextPool.load()
         self.template = ChatTemplate()

@@ -1,7 +1,7 @@
 """The import graph and file sizes of the shipped code (docs/architecture.md, "Layering rules").
 
-Every ``.py`` file under sidecar/, clients/, bench/ and examples/ is parsed with ``ast`` (never
-imported), and every import statement in it counts, wherever it sits: module level, inside a
+Every ``.py`` file under sidecar/, clients/, bench/, examples/ and workloads/ is parsed with ``ast``
+(never imported), and every import statement in it counts, wherever it sits: module level, inside a
 function, under ``if TYPE_CHECKING:``. Relative imports are resolved against the file's package;
 ``from a.b import c`` is an edge to the module ``a.b.c`` when that is a module of the tree, else
 to ``a.b``; ``import a.b.c`` is an edge to ``a.b.c`` only (the parent packages it also runs are
@@ -16,7 +16,8 @@ Rules, one test each:
 * no source file over ``MAX_LINES`` lines unless its module docstring says "over 600 lines"
   and why (generated protobuf / gRPC stubs are exempt).
 
-tests/ is not checked: tests may import anything.
+tests/ is held to one rule of its own: only the benchmarks' tests (tests/bench/) import ``bench``;
+tests may import ``workloads`` and anything else.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("sidecar", "clients", "bench", "examples")
+PACKAGES = ("sidecar", "clients", "bench", "examples", "workloads")
 MAX_LINES = 600
 LONG_FILE_PHRASE = "over 600 lines"
 
@@ -72,6 +73,10 @@ LAYERS = (
     Layer("stubs_only_through_api", PRODUCT, STUBS, exempt=("sidecar.api", "sidecar.v1")),
     Layer("prometheus_only_in_server", PRODUCT, ("prometheus_client",), exempt=("sidecar.server",)),
     Layer("sidecar_not_on_clients_or_bench", ("sidecar",), ("clients", "bench", "examples")),
+    # the engine code does not depend on the benchmarks' traffic generators and their data
+    Layer("product_not_on_workloads", ("sidecar", "clients"), ("workloads",)),
+    # shared by the benchmarks and the tests, so it depends on neither
+    Layer("workloads_not_on_bench_or_tests", ("workloads",), ("bench", "tests")),
 )
 
 #: Rules that hold for every chain of imports: importing a module of ``who`` runs nothing that
@@ -327,30 +332,21 @@ def test_file_length() -> None:
 
 # ------------------------------------------------------------------ tests and benchmarks
 
-#: test files that still draw test data from the benchmarks' chat templates and workload
-#: generators (``bench.tokenizer``, ``bench.hf_chat``, ``bench.workloads``, ``bench.rotation``)
-BENCH_DATA_USERS = {
-    "tests/clients/transformers/test_real_model.py",
-    "tests/rotation/test_drift.py",
-    "tests/sdk/test_policy.py",
-}
-
 
 def test_tests_never_import_bench():
     """What a test and a benchmark share lives in the product (``sidecar.process``,
-    ``clients.vllm.run``, ``clients.vllm.layouts``); only the benchmarks' own tests
-    (tests/bench/) import ``bench``, and the files of ``BENCH_DATA_USERS`` until their data
-    generators move."""
-    offenders: dict[str, list[str]] = {}
+    ``clients.vllm.run``, ``clients.vllm.layouts``, ``sidecar.rotation.drift``) or in
+    ``workloads/`` (the agent-traffic generators and chat templates); only the benchmarks' own
+    tests (tests/bench/) import ``bench``."""
+    offenders = []
     for path in sorted((ROOT / "tests").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
         if rel.startswith("tests/bench/"):
             continue
-        for node in ast.walk(ast.parse(path.read_text(), rel)):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), rel)):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
-            for name in names:
-                if name == "bench" or name.startswith("bench."):
-                    offenders.setdefault(rel, []).append(f"line {node.lineno}: {name}")
-    assert set(offenders) - BENCH_DATA_USERS == set(), {k: v for k, v in offenders.items() if k not in BENCH_DATA_USERS}
-    assert BENCH_DATA_USERS <= set(offenders), f"no longer importing bench (drop from the list): {BENCH_DATA_USERS - set(offenders)}"
+            offenders += [f"  {rel}:{node.lineno}: {name}\n" for name in names if _matches(name, "bench")]
+    if offenders:
+        pytest.fail("tests outside tests/bench/ must not import bench (share through the product or workloads/):\n"
+                    + "".join(offenders), pytrace=False)

@@ -18,8 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: What a user receives: the product, its docs, examples, deployment and benchmarks.
-SHIPPED = ("sidecar", "clients", "bench", "examples", "docs", "deploy", "proto", "README.md", "dev")
+#: What a user receives: the product, its docs, examples, deployment, benchmarks and their workloads.
+SHIPPED = ("sidecar", "clients", "bench", "workloads", "examples", "docs", "deploy", "proto", "README.md", "dev")
 SUFFIXES = {".py", ".md", ".proto", ".yaml", ".yml", ".toml", ".txt", ".json", ""}
 #: Files outside the repository: the team's design notes, the seeds folder, a parent path.
 OUTSIDE = re.compile(r"ARCHITECTURE\.md|STYLE\.md|\.\./shared|shared/seeds|\bseed 00\d\b")

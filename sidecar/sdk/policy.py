@@ -13,7 +13,7 @@ tokens. This module closes the gap (docs/architecture.md, "The edit path", "Poli
 Rendering goes through a chat template: ``TokenizerRenderer`` wraps a transformers tokenizer
 and its own template; any object with ``render(messages, tools=None, *,
 add_generation_prompt=True) -> uint32 ids`` is a ``Renderer`` too (the benchmarks' offline
-``bench.tokenizer.ChatTemplate`` and ``bench.hf_chat.HFChatTemplate`` are).
+``workloads.chat_template.ChatTemplate`` and ``workloads.hf_chat.HFChatTemplate`` are).
 
 The diff works on message blocks, never on raw tokens: both lists are rendered with the
 token offset where each message starts, the blocks are matched by content (a longest-common-
@@ -114,7 +114,7 @@ class TruncateOldToolOutputs(EditPolicy):
     """Reference policy: tool outputs older than ``keep_turns`` assistant turns are cut to
     their first ``head`` and last ``tail`` characters around ``joiner``. A tool message's age
     is the number of assistant messages after it. Stateless and idempotent (the same rule as
-    ``bench.workloads.traces.TruncateOldToolOutputs``, so both produce the same histories)."""
+    ``workloads.traces.TruncateOldToolOutputs``, so both produce the same histories)."""
 
     keep_turns: int = 2
     head: int = 100

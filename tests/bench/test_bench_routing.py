@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from bench import routing
-from bench.tokenizer import ChatTemplate
+from workloads.chat_template import ChatTemplate
 
 
 @pytest.fixture(scope="module")

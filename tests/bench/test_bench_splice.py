@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from bench import splice as sb
-from bench.tokenizer import ChatTemplate
 from clients.transformers import INVARIANT_ATTENTION, build_model, llama_config
 from sidecar.app import ServerThread
 from sidecar.client import SyncSidecarClient
 from tests.conftest import make_config
+from workloads.chat_template import ChatTemplate
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 
 from bench import recovery_arms as rec
-from bench.tokenizer import ANCHOR_TOKENS, SPECIAL_BASE, VOCAB_SIZE, ChatTemplate, HashTokenizer
-from bench.workloads import TruncateOldToolOutputs, Workload, load_trajectories, replay, trace_workload
-from bench.workloads import synthetic as syn
-from bench.workloads.traces import Trajectory
+from workloads import TruncateOldToolOutputs, Workload, load_trajectories, replay, trace_workload
+from workloads import synthetic as syn
+from workloads.chat_template import ANCHOR_TOKENS, SPECIAL_BASE, VOCAB_SIZE, ChatTemplate, HashTokenizer
+from workloads.traces import Trajectory
 
 
 @pytest.fixture(scope="module")
 def pool():
-    from bench.workloads import TextPool
+    from workloads import TextPool
 
     return TextPool.load()
 
@@ -215,9 +215,9 @@ def test_ttft_agent_meta_with_the_real_template_trims_the_header_and_fits_the_mo
     tokens [3, 3 + H) (after "<|im_start|>system\n"), trimming it moves the shared body, and the
     real model's workload sizes stay under its 8192 positions."""
     from bench.demo import cut_short
-    from bench.hf_chat import HFChatTemplate
     from bench.ttft_workloads import HEADER_START, PROFILES, agent_meta_workload
     from clients.transformers import load_tokenizer
+    from workloads.hf_chat import HFChatTemplate
 
     try:
         tok = load_tokenizer("smollm2")

@@ -12,8 +12,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.tokenizer import ChatTemplate
-from bench.workloads.traces import TruncateOldToolOutputs as BenchTruncate
 from sidecar.directives import EditMode, SessionId, SessionMirror, apply_edits, plan_splice, validate_directives
 from sidecar.sdk.policy import (
     EditPolicy,
@@ -24,6 +22,8 @@ from sidecar.sdk.policy import (
     edit_turn,
     render_blocks,
 )
+from workloads.chat_template import ChatTemplate
+from workloads.traces import TruncateOldToolOutputs as BenchTruncate
 
 LONG = " ".join(f"line {i}: total {i * 37} bytes in /var/log/app-{i}.log" for i in range(60))
 

@@ -20,7 +20,6 @@ import uuid
 import numpy as np
 import pytest
 
-from bench.hf_chat import HFChatTemplate
 from clients.transformers import (
     INVARIANT_ATTENTION,
     Engine,
@@ -36,6 +35,7 @@ from sidecar.client import SyncSidecarClient
 from sidecar.config import DEFAULT_RECOMPUTE_TOKENS, SidecarConfig
 from sidecar.models import KNOWN_MODELS, resolve
 from sidecar.registry.chunker import ChunkerConfig
+from workloads.hf_chat import HFChatTemplate
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +85,7 @@ def client(template):
 
 @pytest.fixture(scope="module")
 def document() -> str:
-    from bench.workloads import TextPool
+    from workloads import TextPool
 
     pool = TextPool.load()
     return pool.documents[3][:1400]

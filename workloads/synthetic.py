@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from bench.tokenizer import ChatTemplate
-from bench.workloads.pool import TextPool
-from bench.workloads.traces import Trajectory
-from bench.workloads.workload import Workload
+from workloads.chat_template import ChatTemplate
+from workloads.pool import TextPool
+from workloads.traces import Trajectory
+from workloads.workload import Workload
 
 Message = dict[str, Any]
 

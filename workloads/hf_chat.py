@@ -1,8 +1,8 @@
 """A real model's tokenizer and chat template behind the benchmarks' ``ChatTemplate`` interface.
 
-``bench/tokenizer.py``'s ``ChatTemplate`` is an offline stand-in (hashed vocabulary, ChatML-like
+``workloads/chat_template.py``'s ``ChatTemplate`` is an offline stand-in (hashed vocabulary, ChatML-like
 layout). ``HFChatTemplate`` renders the same OpenAI-format messages with a real Hugging Face
-tokenizer and its own Jinja chat template, so the workloads (``bench/workloads``) produce the
+tokenizer and its own Jinja chat template, so the workload generators (``workloads/``) produce the
 token ids a deployed model would see::
 
     tpl = HFChatTemplate(load_tokenizer("smollm2"))
@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.tokenizer import _call_json, _text
 from sidecar.registry.anchors import anchor_token_ids
+from workloads.chat_template import _call_json, _text
 
 _TOOLS_INTRO = (
     "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.workloads.traces import Trajectory, load_trajectories
+from workloads.traces import Trajectory, load_trajectories
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""A deterministic, offline tokenizer and a ChatML-style chat template for the benchmarks.
+"""A deterministic, offline tokenizer and a ChatML-style chat template for the benchmarks and tests.
 
 The benchmarks need token ids that behave like a real model's (the same text always maps to the
 same ids, in any process, on any host) without downloading a vocabulary. ``HashTokenizer``

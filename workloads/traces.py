@@ -1,4 +1,4 @@
-"""Real agent traces (bench/data/agent_traces) and their turn-by-turn replay.
+"""Real agent traces (workloads/data/agent_traces) and their turn-by-turn replay.
 
 Each trajectory line holds ``turns[i].messages``, the FULL message list sent at call ``i``, plus
 the ``tools`` sent with every call (README in the data folder). Replaying a trajectory renders
@@ -17,13 +17,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from bench.tokenizer import ChatTemplate
-from bench.workloads.workload import Workload
+from workloads.chat_template import ChatTemplate
+from workloads.workload import Workload
 
 Message = Mapping[str, Any]
 
 #: Default location of the traces, inside the repository (overridable per call).
-TRACES_DIR = Path(__file__).resolve().parents[1] / "data" / "agent_traces"
+TRACES_DIR = Path(__file__).resolve().parent / "data" / "agent_traces"
 
 TRACE_FILES: dict[str, str] = {
     "tau_bench": "tau_bench_airline_gpt4o.jsonl.gz",
