@@ -7,14 +7,19 @@ Three parts (vLLM keeps ``BlockPool`` apart from ``KVCacheManager`` the same way
 * ``sidecar.tiers.tier_io``: the backends (``sidecar.tiers.backends``) and every movement of
   bytes; no decisions;
 * the orchestrator: the public API, the locks, and the sequences (make room, write, attach),
-  one module per path, all methods of ``TieredStore``:
+  composed of one core and one small class per path, each holding the core and nothing of the
+  others (vLLM's connectors delegate to one class per role the same way):
 
-  - this module: construction, queries, operator actions (``evict``, ``delete``, ``spill``),
-    ``close`` and disk recovery at start;
-  - ``store_writes``: ``put`` (new chunks) and publication of remote copies;
-  - ``store_reads``: ``get``/``get_many`` and promotion of hits;
-  - ``store_moves``: the shared state and lock helpers, making room, demotion, eviction, loss
-    and removal of bytes (what both paths call).
+  - ``store_core.StoreCore``: the shared state (the ``Placement``, ``TierIO``, counters,
+    events), the locks and pins, and every move of an existing chunk: making room, demotion,
+    eviction, publication of a remote copy, loss and removal of bytes (what every path calls,
+    under one lock model: why the moves stay one class);
+  - ``store_writes.Writes``: ``put`` of a new chunk;
+  - ``store_reads.Reads``: ``get_many`` and promotion of hits;
+  - ``store_pool.PoolSlots``: the shared pool's leases and slots;
+  - this module: ``TieredStore``, which builds them from its config and exposes the public API
+    by plain delegation, plus queries, operator actions (``evict``, ``delete``, ``spill``) and
+    ``close``; the disk tier is re-indexed when the core is built.
 
 Placement (one chunk has at most one *local* copy, in GPU, CPU or disk, plus optionally a copy
 on the shared remote tier)::
@@ -48,7 +53,7 @@ Lock model (acquired in this order, never the reverse)::
                                    skipped when it is taken (never waits: no order inversion)
     mover (re-entrant)             every move of an existing chunk: demotion, eviction,
                                    promotion, publication, delete, loss; and making room
-    index (``_lock`` + ``_cv``)    the ``Placement`` and counters; held for dict operations only
+    index (``lock`` + ``cv``)      the ``Placement`` and counters; held for dict operations only
 
 A put of a new chunk reserves its bytes in the target tier under the index lock (``reserve``:
 counted as used before the write starts), then encodes, checksums and writes WITHOUT holding
@@ -63,27 +68,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Sequence
 
+from sidecar.identity import KVLayout
 from sidecar.tiers.config import StoreConfig
 from sidecar.tiers.envelope import object_nbytes
-from sidecar.tiers.events import EventBuffer, EventKind, Reason, TierEvent
-from sidecar.tiers.placement import Entry, Guard, Placement
-from sidecar.tiers.stats import Counters, StoreStats
-from sidecar.tiers.store_moves import STRIPES, NoRoom, check_key
-from sidecar.tiers.store_pool import StorePool
-from sidecar.tiers.store_reads import StoreReads
-from sidecar.tiers.store_writes import StoreWrites
-from sidecar.tiers.tier_io import TierIO
-from sidecar.tiers.types import ChunkKey, ChunkMeta, Tier
+from sidecar.tiers.events import EventKind, Reason, TierEvent
+from sidecar.tiers.placement import Entry, Guard
+from sidecar.tiers.stats import StoreStats
+from sidecar.tiers.store_core import NoRoom, StoreCore, check_key
+from sidecar.tiers.store_pool import PoolRead, PoolSlots, Slot
+from sidecar.tiers.store_reads import Reads
+from sidecar.tiers.store_writes import Writes
+from sidecar.tiers.types import ChunkKey, ChunkMeta, FetchedChunk, PutResult, Tier
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Guard", "TieredStore"]
 
 
-class TieredStore(StoreWrites, StoreReads, StorePool):
+class TieredStore:
     """Chunk KV store over LMCache tiers. Thread-safe; every method may block on I/O (call it
     from a worker thread, e.g. ``asyncio.to_thread``, in an event-loop server).
 
@@ -92,150 +96,223 @@ class TieredStore(StoreWrites, StoreReads, StorePool):
     per-tenant quotas, guards or read pins, and learns recency only from explicit touches; the
     store drives LMCache's L1 manager and L2 adapters directly instead.
 
-    ``put`` is defined in ``StoreWrites`` (``store_writes``), ``get``/``get_many`` in
-    ``StoreReads`` (``store_reads``); queries, operator actions and ``close`` here."""
+    The contracts of the public methods are here; ``put`` runs in ``Writes``, ``get_many`` in
+    ``Reads``, the shared pool's methods in ``PoolSlots``, every move in ``StoreCore``."""
 
     def __init__(self, config: StoreConfig) -> None:
-        self._config = config
-        self._lock = threading.Lock()  # the index: placement, counters
-        self._cv = threading.Condition(self._lock)  # readers unpinning, writers finishing
-        self._mover = threading.RLock()  # moves of existing chunks (see the module docstring)
-        self._stripes = tuple(threading.Lock() for _ in range(STRIPES))
-        self._closed = False
-        self._active_reads = 0  # pins held by readers; close() waits for them before freeing pools
-        self._active_puts = 0  # puts writing without the mover; close() waits for them too
-        self._slots = {}  # slots reserved in the shared pool, by slot id (``store_pool``)
-        self._leased = 0  # chunks pinned by the shared pool's leases
-        self._graves: dict = {}  # CPU objects removed while leased (``store_moves._drain_and_remove``)
-        self._events = EventBuffer(config.max_events)
-        self._counters = Counters()
-        self._io = TierIO(config)
-        self._chain = self._io.chain
-        self._place = Placement(
-            self._chain,
-            {t: self._io.backend(t).capacity_bytes for t in self._chain},
-            self._io.footprint,
-            config.quota_for,
-        )
-        # Remote copies this store is deleting: not looked up as "foreign" chunks meanwhile (a
-        # RESP GET of a key deleted after its EXISTS hangs the connection until the timeout).
-        self._remote_removing: Counter[ChunkKey] = Counter()
-        if self._io.disk is not None:
-            self._recover()
+        self._core = core = StoreCore(config)  # opens the backends, re-indexes the disk tier
+        self._writes = Writes(core)
+        self._reads = Reads(core)
+        self._pool_slots = PoolSlots(core)
 
     # Internals the tests reach for (they check LMCache's own state against the index).
     @property
     def _mem(self):
-        return self._io.mem
+        return self._core.io.mem
 
     @property
     def _disk(self):
-        return self._io.disk
+        return self._core.io.disk
 
     @property
     def _entries(self) -> dict[ChunkKey, Entry]:
-        return self._place.entries
+        return self._core.place.entries
 
     @property
     def _write_lock(self) -> threading.RLock:
         """The mover lock under its old name (tests/dataplane/test_sync_off_loop.py holds it to stand for
         a slow tier move)."""
-        return self._mover
+        return self._core.mover
+
+    # ------------------------------------------------------------------ public API: writes and reads
+
+    def put(
+        self,
+        key: bytes,
+        payload: object,
+        *,
+        layout: KVLayout,
+        num_tokens: int,
+        tenant: str,
+        scope: str | None = None,
+        source_position: int = 0,
+        aux: bytes = b"",
+        publish: bool = False,
+    ) -> PutResult:
+        """Store one chunk payload atomically (readers see it only once complete and checksummed).
+
+        Idempotent per key: if ``key`` is already held nothing changes and ``stored`` is False
+        (with ``publish`` a missing remote copy is still written). ``payload`` is bytes-like, a
+        numpy array or a contiguous tensor of exactly ``layout.bytes_per_token * num_tokens``
+        bytes. ``publish`` also writes a remote copy for other sidecars. Puts of different
+        keys run in parallel (see the lock model in the module docstring).
+
+        Raises ``ValueError``/``TypeError`` for bad arguments, ``QuotaExceededError`` when the
+        tenant's ``max_bytes`` would be exceeded, ``CapacityError`` when no tier can take the
+        chunk without dropping data it must keep; all of these leave the store unchanged.
+        """
+        return self._writes.put(key, payload, layout=layout, num_tokens=num_tokens, tenant=tenant, scope=scope,
+                                source_position=source_position, aux=aux, publish=publish)
+
+    def get(self, key: bytes, *, promote: bool | None = None) -> FetchedChunk | None:
+        """``get_many([key])[0]``."""
+        return self._reads.get_many([key], promote=promote)[0]
+
+    def get_many(self, keys: Sequence[bytes], *, promote: bool | None = None) -> list[FetchedChunk | None]:
+        """Payloads of ``keys`` in order; ``None`` for a miss (absent, lost, corrupt: never an
+        error). Every payload is checksum-verified. Disk and remote reads are batched into one
+        LMCache task each. A key this store never saw is looked up on the remote tier (another
+        sidecar may have published it). Hits below the fastest tier are then promoted on the
+        calling thread (``promote`` overrides ``config.promote_on_hit``; this may demote other
+        chunks to disk), unless a mover is busy, in which case promotion is skipped rather than
+        waited for.
+        """
+        return self._reads.get_many(keys, promote=promote)
+
+    # ------------------------------------------------------------------ public API: the shared pool
+
+    @property
+    def pool(self):
+        """The shared pool (``sidecar.shm.pool.PoolFile``), or None when there is none."""
+        return self._pool_slots.pool
+
+    def lease(self, keys: list[bytes]) -> list[PoolRead | None]:
+        """Pin the CPU copy of each key and say where its payload is (None: not in the pool)."""
+        return self._pool_slots.lease(keys)
+
+    def unlease(self, reads: list[PoolRead]) -> None:
+        """End leases; an object removed while leased is freed with its last lease."""
+        self._pool_slots.unlease(reads)
+
+    @property
+    def leased(self) -> int:
+        """Chunks pinned by leases now."""
+        return self._pool_slots.leased
+
+    def reserve_slot(self, key: bytes, nbytes: int, tenant: str) -> Slot | None:
+        """A slot for ``key``'s payload of ``nbytes`` (None: the key is held already, or there is
+        no shared pool). Raises ``QuotaExceededError`` / ``CapacityError`` as ``put`` would."""
+        return self._pool_slots.reserve_slot(key, nbytes, tenant)
+
+    def drop_slot(self, slot: Slot) -> bool:
+        """Free a slot that will not be committed; False when it was not reserved (any more)."""
+        return self._pool_slots.drop_slot(slot)
+
+    def put_slot(self, slot: Slot, *, layout: KVLayout, num_tokens: int, tenant: str, scope: str | None = None,
+                 source_position: int = 0, aux: bytes = b"", publish: bool = False,
+                 payload_checksum: int | None = None) -> PutResult:
+        """``put`` of a filled slot: checksummed as its bytes are now (``payload_checksum``: as
+        the caller computed them from the slot just before, ``slot_checksums``), its header
+        written, and indexed in the CPU tier, without a copy. The slot is used up either way."""
+        return self._pool_slots.put_slot(slot, layout=layout, num_tokens=num_tokens, tenant=tenant, scope=scope,
+                                         source_position=source_position, aux=aux, publish=publish,
+                                         payload_checksum=payload_checksum)
 
     # ------------------------------------------------------------------ public API: queries
 
     @property
     def config(self) -> StoreConfig:
-        return self._config
+        return self._core.config
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
         """The configured tiers, fastest first."""
-        return self._chain
+        return self._core.chain
 
     def locate(self, key: bytes) -> Tier | None:
         """The fastest tier holding ``key`` (``None``: not held, as far as this store knows)."""
-        with self._lock:
-            e = self._place.entries.get(check_key(key))
+        core = self._core
+        with core.lock:
+            e = core.place.entries.get(check_key(key))
             return e.fastest() if e is not None else None
 
     def tiers_of(self, key: bytes) -> frozenset[Tier]:
-        with self._lock:
-            e = self._place.entries.get(check_key(key))
+        core = self._core
+        with core.lock:
+            e = core.place.entries.get(check_key(key))
             return e.tiers() if e is not None else frozenset()
 
     def contains(self, key: bytes) -> bool:
         return self.locate(key) is not None
 
     def meta(self, key: bytes) -> ChunkMeta | None:
-        with self._lock:
-            e = self._place.entries.get(check_key(key))
+        core = self._core
+        with core.lock:
+            e = core.place.entries.get(check_key(key))
             return e.meta if e is not None else None
 
     def list_chunks(self, tier: Tier | None = None) -> list[ChunkMeta]:
         """Metadata of every chunk held (in ``tier`` only, when given), least recently used
         first. After a restart, ``list_chunks(Tier.DISK)`` is what the disk tier recovered."""
-        with self._lock:
+        core = self._core
+        with core.lock:
             if tier is None:
-                return [e.meta for e in self._place.entries.values()]
-            lru = self._place.lru.get(Tier(tier))
+                return [e.meta for e in core.place.entries.values()]
+            lru = core.place.lru.get(Tier(tier))
             return [e.meta for e in lru.values()] if lru is not None else []
 
     def tenant_usage(self, tenant: str) -> int:
         """Payload bytes of ``tenant``'s chunks held anywhere (what ``max_bytes`` bounds; a put
         in flight counts from its start)."""
-        with self._lock:
-            return self._place.tenant_bytes[tenant]
+        core = self._core
+        with core.lock:
+            return core.place.tenant_bytes[tenant]
 
     def tenant_tier_usage(self, tenant: str) -> dict[Tier, tuple[int, int]]:
         """(bytes, objects) of ``tenant``'s chunks in each configured tier (its own ``Stats``)."""
-        p = self._place
-        with self._lock:
+        p = self._core.place
+        with self._core.lock:
             return {t: (p.tenant_used[(tenant, t)], len(p.tenant_lru.get((tenant, t), ()))) for t in p.lru}
 
     def set_guards(self, guards: dict[bytes, Guard]) -> None:
         """Set (``Guard.NONE``: clear) the guard of each key. Keys need not be held yet: a
         guard applies from the chunk's first put on. Cheap (index lock, one dict write each)."""
-        with self._lock:
+        core = self._core
+        with core.lock:
             for key, g in guards.items():
-                self._place.set_guard(check_key(key), g)
+                core.place.set_guard(check_key(key), g)
 
     def guarded_bytes(self, tier: Tier) -> int:
         """Footprint of ``tier``'s chunks that victim selection may not take there."""
-        with self._lock:
-            return self._place.guarded_bytes(Tier(tier)) if Tier(tier) in self._place.lru else 0
+        core = self._core
+        with core.lock:
+            return core.place.guarded_bytes(Tier(tier)) if Tier(tier) in core.place.lru else 0
 
     def capacity_of(self, tier: Tier) -> int:
-        return self._place.capacity.get(Tier(tier), 0)
+        return self._core.place.capacity.get(Tier(tier), 0)
 
     def object_footprint(self, payload_nbytes: int) -> int:
         """Bytes a new chunk of ``payload_nbytes`` takes in the fastest tier."""
-        return self._io.footprint(self._chain[0], object_nbytes(payload_nbytes)) if self._chain else 0
+        core = self._core
+        return core.io.footprint(core.chain[0], object_nbytes(payload_nbytes)) if core.chain else 0
 
     def room(self, need: int) -> tuple[int, int, int] | None:
         """None when ``need`` more bytes fit the tiers' free space; otherwise (capacity, used,
         guarded) over all tiers, ``guarded`` being what victim selection may never take (the
         resident claims' share; kept incrementally, O(tiers))."""
-        with self._lock:
-            return self._place.room(need)
+        core = self._core
+        with core.lock:
+            return core.place.room(need)
 
     def pins_in_flight(self) -> int:
         """Read pins held right now (each ``get_many`` releases its own on every path)."""
-        with self._lock:
-            return self._active_reads
+        core = self._core
+        with core.lock:
+            return core.active_reads
 
     def take_events(self) -> list[TierEvent]:
         """Drain placement events in the order they happened (see ``sidecar.tiers.events``)."""
-        return self._events.take()
+        return self._core.events.take()
 
     def stats(self) -> StoreStats:
-        with self._lock:
-            return self._counters.snapshot(
-                capacity=self._place.capacity,
-                used=self._place.used,
-                objects={t: len(lru) for t, lru in self._place.lru.items()},
-                events_dropped=self._events.dropped,
-                remote_reconnects=self._io.remote.reconnects if self._io.remote is not None else 0,
+        core = self._core
+        with core.lock:
+            return core.counters.snapshot(
+                capacity=core.place.capacity,
+                used=core.place.used,
+                objects={t: len(lru) for t, lru in core.place.lru.items()},
+                events_dropped=core.events.dropped,
+                remote_reconnects=core.io.remote.reconnects if core.io.remote is not None else 0,
             )
 
     # ------------------------------------------------------------------ public API: operators
@@ -243,17 +320,18 @@ class TieredStore(StoreWrites, StoreReads, StorePool):
     def evict(self, keys: Sequence[bytes]) -> int:
         """Operator eviction: move each chunk one tier down from its fastest tier (dropped when
         it is already in the last tier). Returns how many chunks moved or were dropped."""
+        core = self._core
         keys = [check_key(k) for k in keys]
         done = 0
-        with self._writer():
+        with core.writer():
             for key in keys:
-                with self._lock:
-                    e = self._place.entries.get(key)
+                with core.lock:
+                    e = core.place.entries.get(key)
                     tier = e.fastest() if e is not None else None
                 if e is None or tier is None:
                     continue
                 try:
-                    self._move_down(e, tier, Reason.OPERATOR)
+                    core.move_down(e, tier, Reason.OPERATOR)
                 except NoRoom as exc:
                     logger.warning("evict %s: %s", key.hex(), exc)
                     continue
@@ -272,40 +350,42 @@ class TieredStore(StoreWrites, StoreReads, StorePool):
         return removed
 
     def _delete(self, keys: list[ChunkKey], unknown: list[ChunkKey]) -> int:
+        core = self._core
         removed = 0
         for key in keys:
-            with self._stripe(key), self._writer():
-                with self._lock:
-                    e = self._place.entries.get(key)
+            with core.stripe(key), core.writer():
+                with core.lock:
+                    e = core.place.entries.get(key)
                     if e is None:
                         unknown.append(key)
                         continue
                     held = e.tiers()
                     fastest = e.fastest()
                     for tier in held:
-                        self._detach(e, tier)
-                    self._place.forget(e)
-                    self._emit(EventKind.DELETED, e, fastest, None, Reason.OPERATOR)
+                        core.detach(e, tier)
+                    core.place.forget(e)
+                    core.emit(EventKind.DELETED, e, fastest, None, Reason.OPERATOR)
                 for tier in held:
-                    self._drain_and_remove(e, tier, deleting=True)
+                    core.drain_and_remove(e, tier, deleting=True)
                 removed += 1
         return removed
 
     def _delete_remote(self, unknown: list[ChunkKey]) -> None:
-        if not unknown or self._io.remote is None:
+        core = self._core
+        if not unknown or core.io.remote is None:
             return
-        with self._writer():
-            with self._lock:
-                self._remote_removing.update(unknown)
+        with core.writer():
+            with core.lock:
+                core.remote_removing.update(unknown)
             try:
-                if not self._io.remote.remove(unknown):
+                if not core.io.remote.remove(unknown):
                     logger.error("remote delete of %d unknown chunks could not be confirmed", len(unknown))
             finally:
-                with self._lock:
-                    self._remote_removing.subtract(unknown)
+                with core.lock:
+                    core.remote_removing.subtract(unknown)
                     for key in unknown:
-                        if self._remote_removing[key] <= 0:
-                            del self._remote_removing[key]
+                        if core.remote_removing[key] <= 0:
+                            del core.remote_removing[key]
 
     def spill(self, budget_s: float) -> tuple[int, int]:
         """Move what only the memory tiers (GPU, CPU) hold down to the disk tier, most recently
@@ -313,30 +393,31 @@ class TieredStore(StoreWrites, StoreReads, StorePool):
         restart could recover (the disk tier is re-indexed at start). Returns (moved, left):
         ``left`` counts the chunks still only in memory (no disk tier, no room, time out).
         Older disk chunks make room by the ordinary LRU order."""
-        lru = self._place.lru
-        memory = tuple(self._io.mem)  # the configured memory tiers (GPU, CPU), fastest first
-        with self._lock:
-            if self._closed:
+        core = self._core
+        lru = core.place.lru
+        memory = tuple(core.io.mem)  # the configured memory tiers (GPU, CPU), fastest first
+        with core.lock:
+            if core.closed:
                 return 0, 0
             todo = [(t, e) for t in memory for e in reversed(lru[t].values()) if not e.remote]
         if Tier.DISK not in lru or not todo:
             return 0, len(todo)
         deadline = time.monotonic() + budget_s
         moved = 0
-        with self._writer():
+        with core.writer():
             for i, (tier, e) in enumerate(todo):
                 if time.monotonic() >= deadline:
                     return moved, len(todo) - i
-                with self._lock:
+                with core.lock:
                     if e.local != tier or e.busy(tier):
                         continue
                 try:
-                    self._move_down(e, tier, Reason.SHUTDOWN)
+                    core.move_down(e, tier, Reason.SHUTDOWN)
                 except NoRoom:
                     continue
-                with self._lock:
+                with core.lock:
                     moved += e.local == Tier.DISK
-        with self._lock:
+        with core.lock:
             left = sum(1 for t in memory for e in lru[t].values() if not e.remote)
         return moved, left
 
@@ -345,54 +426,25 @@ class TieredStore(StoreWrites, StoreReads, StorePool):
         is abandoned, not waited for). Calls after close raise ``TierUnavailableError``; reads
         and puts in flight finish first, and if they do not the memory pools are leaked rather
         than freed under them. Idempotent."""
-        with self._lock:
-            if self._closed:
+        core = self._core
+        with core.lock:
+            if core.closed:
                 return
-            self._closed = True
-        self._drop_all_slots()
-        with self._lock:
-            drained = self._cv.wait_for(
-                lambda: self._active_reads == 0 and self._active_puts == 0, timeout=self._config.close_timeout_s
+            core.closed = True
+        self._pool_slots.drop_all_slots()
+        with core.lock:
+            drained = core.cv.wait_for(
+                lambda: core.active_reads == 0 and core.active_puts == 0, timeout=core.config.close_timeout_s
             )
-        acquired = self._mover.acquire(timeout=self._config.close_timeout_s)
+        acquired = core.mover.acquire(timeout=core.config.close_timeout_s)
         try:
-            self._io.close(free_memory=drained and acquired)
+            core.io.close(free_memory=drained and acquired)
         finally:
             if acquired:
-                self._mover.release()
+                core.mover.release()
 
     def __enter__(self) -> TieredStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ------------------------------------------------------------------ restart
-
-    def _recover(self) -> None:
-        """Index what the disk tier holds (oldest first), evicting past its capacity."""
-        disk = self._io.disk
-        assert disk is not None
-        files, corrupt = disk.scan()
-        over: list[Entry] = []
-        p = self._place
-        with self._lock:
-            if corrupt:
-                self._counters.checksum_failures += corrupt
-                self._counters.losses[Reason.CORRUPTION] += corrupt
-            p.load(Tier.DISK, [Entry(meta=f.meta, obj_nbytes=f.nbytes) for f in files])
-            self._counters.recovered_chunks = len(files)
-            lru = iter(list(p.lru[Tier.DISK].values()))
-            while p.used[Tier.DISK] > p.capacity[Tier.DISK]:
-                e = next(lru)
-                p.detach(e, Tier.DISK)
-                p.forget(e)
-                self._counters.evictions[Reason.CAPACITY] += 1
-                self._counters.tiers[Tier.DISK].evictions += 1
-                self._counters.recovered_chunks -= 1
-                over.append(e)
-        if over:
-            disk.remove([e.key for e in over])
-        logger.info(
-            "disk tier recovered %d chunks (%d corrupt removed, %d over capacity)", len(files), corrupt, len(over)
-        )

@@ -1,5 +1,5 @@
-"""The shared pool's side of ``TieredStore``: reads by offset under a pin (leases) and writes
-into slots an engine fills in place (reservations).
+"""The shared pool's side of ``TieredStore`` (``PoolSlots``, over the store's core): reads by
+offset under a pin (leases) and writes into slots an engine fills in place (reservations).
 
 Both work on the CPU tier only, and only when its pool is shared (``CpuTier.pool``):
 
@@ -11,6 +11,10 @@ Both work on the CPU tier only, and only when its pool is shared (``CpuTier.pool
   engine writes the payload at the slot's offset; ``put_slot`` then checksums it in place,
   writes the header and indexes the chunk (a chunk that another Store indexed meanwhile wins:
   the slot is freed, as a duplicate put changes nothing); ``drop_slot`` frees it unwritten.
+
+The leases and the reserved slots are this part's own state (``leased``, ``_slots``), guarded by
+the core's index lock like the rest; an object removed while leased waits in the core's
+``graves`` (``StoreCore.drain_and_remove``) for its last ``unlease``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from sidecar.payload import payload_nbytes
 from sidecar.tiers.envelope import HEADER_NBYTES, checksum, object_nbytes, write_header
 from sidecar.tiers.errors import CapacityError
 from sidecar.tiers.placement import Entry
-from sidecar.tiers.store_moves import NoRoom, StoreMoves, check_key, layout_fingerprint
+from sidecar.tiers.store_core import NoRoom, StoreCore, check_key, layout_fingerprint
 from sidecar.tiers.types import ChunkKey, ChunkMeta, PutResult, Tier
 
 
@@ -64,31 +68,35 @@ class Slot:
         return self.view[HEADER_NBYTES:]
 
 
-class StorePool(StoreMoves):
-    """``lease``/``unlease`` and ``reserve_slot``/``put_slot``/``drop_slot`` (see the module
-    docstring; ``sidecar.tiers.store`` for the lock model)."""
+class PoolSlots:
+    """``lease``/``unlease`` and ``reserve_slot``/``put_slot``/``drop_slot`` over the store's
+    core (see the module docstring; ``sidecar.tiers.store`` for the lock model)."""
 
-    _slots: dict[bytes, Slot]
-    _leased: int
+    def __init__(self, core: StoreCore) -> None:
+        self._core = core
+        self._slots: dict[bytes, Slot] = {}  # reserved in the shared pool, by slot id
+        self._leased = 0  # chunks pinned by leases (index lock)
 
     @property
     def pool(self):
         """The shared pool (``sidecar.shm.pool.PoolFile``), or None when there is none."""
-        cpu = self._io.mem.get(Tier.CPU)
+        cpu = self._core.io.mem.get(Tier.CPU)
         return getattr(cpu, "pool", None)
 
     # ------------------------------------------------------------------ leases
 
     def lease(self, keys: list[bytes]) -> list[PoolRead | None]:
-        """Pin the CPU copy of each key and say where its payload is (None: not in the pool)."""
-        cpu = self._io.mem.get(Tier.CPU)
+        """``TieredStore.lease``: under the index lock, each CPU copy that is not moving is
+        pinned as a reader (victim selection skips it) and counted as a lease."""
+        core = self._core
+        cpu = core.io.mem.get(Tier.CPU)
         out: list[PoolRead | None] = [None] * len(keys)
         if self.pool is None:
             return out
-        with self._lock:
-            self._check_open()
+        with core.lock:
+            core.check_open()
             for i, key in enumerate(keys):
-                e = self._place.entries.get(check_key(key))
+                e = core.place.entries.get(check_key(key))
                 if e is None or e.local is not Tier.CPU or e.moving:
                     continue
                 # Where it is, read under the index lock: a Delete may unname the object as soon
@@ -104,14 +112,16 @@ class StorePool(StoreMoves):
                 e.readers[Tier.CPU] = e.readers.get(Tier.CPU, 0) + 1
                 e.leases += 1
                 self._leased += 1
-                self._place.touch(e, Tier.CPU)
+                core.place.touch(e, Tier.CPU)
                 out[i] = read
         return out
 
     def unlease(self, reads: list[PoolRead]) -> None:
-        """End leases; an object removed while leased is freed with its last lease."""
+        """``TieredStore.unlease``: the pins dropped under the index lock, the objects whose
+        last lease this was (the core's ``graves``) freed after it."""
+        core = self._core
         freed = []
-        with self._lock:
+        with core.lock:
             for r in reads:
                 e = r.entry
                 n = e.readers.get(Tier.CPU, 0) - 1
@@ -121,10 +131,10 @@ class StorePool(StoreMoves):
                     e.readers.pop(Tier.CPU, None)
                 e.leases -= 1
                 self._leased -= 1
-                if not e.leases and id(e) in self._graves:
-                    freed.append(self._graves.pop(id(e))[1])
-            self._cv.notify_all()
-        cpu = self._io.mem.get(Tier.CPU)
+                if not e.leases and id(e) in core.graves:
+                    freed.append(core.graves.pop(id(e))[1])
+            core.cv.notify_all()
+        cpu = core.io.mem.get(Tier.CPU)
         for okey in freed:
             cpu.free(okey)
 
@@ -136,36 +146,38 @@ class StorePool(StoreMoves):
     # ------------------------------------------------------------------ slots
 
     def reserve_slot(self, key: bytes, nbytes: int, tenant: str) -> Slot | None:
-        """A slot for ``key``'s payload of ``nbytes`` (None: the key is held already, or there is
-        no shared pool). Raises ``QuotaExceededError`` / ``CapacityError`` as ``put`` would."""
+        """``TieredStore.reserve_slot``: the tenant's quota reserved (index lock), room made and
+        the object staged as a put's would be (``StoreCore.reserve_room``, ``stage_with_room``),
+        counted as a put in flight meanwhile (``close`` waits for it)."""
+        core = self._core
         key = check_key(key)
-        cpu = self._io.mem.get(Tier.CPU)
+        cpu = core.io.mem.get(Tier.CPU)
         if self.pool is None:
             return None
         obj_nbytes = object_nbytes(nbytes)
-        with self._lock:
-            self._check_open()
-            if key in self._place.entries:
+        with core.lock:
+            core.check_open()
+            if key in core.place.entries:
                 return None
-            self._place.reserve_quota(tenant, nbytes)
-            self._active_puts += 1
-        fp = self._io.footprint(Tier.CPU, obj_nbytes)
+            core.place.reserve_quota(tenant, nbytes)
+            core.active_puts += 1
+        fp = core.io.footprint(Tier.CPU, obj_nbytes)
         slot_id = secrets.token_bytes(16)
         try:
-            self._reserve_room(Tier.CPU, fp, tenant)
+            core.reserve_room(Tier.CPU, fp, tenant)
             try:
-                view = self._stage_with_room(Tier.CPU, key, obj_nbytes, stage=lambda: cpu.stage_slot(slot_id, obj_nbytes))
+                view = core.stage_with_room(Tier.CPU, key, obj_nbytes, stage=lambda: cpu.stage_slot(slot_id, obj_nbytes))
             except BaseException:
-                self._release(Tier.CPU, tenant, fp)
+                core.release(Tier.CPU, tenant, fp)
                 raise
         except BaseException as exc:
-            with self._lock:
-                self._place.release_quota(tenant, nbytes)
-                self._active_puts -= 1
-                self._cv.notify_all()
+            with core.lock:
+                core.place.release_quota(tenant, nbytes)
+                core.active_puts -= 1
+                core.cv.notify_all()
                 if isinstance(exc, NoRoom):
-                    p = self._place
-                    self._counters.capacity_refusals += 1
+                    p = core.place
+                    core.counters.capacity_refusals += 1
                     raise CapacityError(
                         tier=Tier.CPU, requested_bytes=obj_nbytes, used_bytes=p.used[Tier.CPU],
                         capacity_bytes=p.capacity[Tier.CPU], pinned_bytes=p.pinned_bytes(Tier.CPU),
@@ -174,19 +186,19 @@ class StorePool(StoreMoves):
             raise
         view[:HEADER_NBYTES].zero_()  # no stale stamp: nothing reads this object before its commit
         slot = Slot(key, slot_id, tenant, nbytes, fp, view, cpu.offset(view) + HEADER_NBYTES)
-        with self._lock:
-            self._active_puts -= 1
+        with core.lock:
+            core.active_puts -= 1
             self._slots[slot_id] = slot
-            self._cv.notify_all()
+            core.cv.notify_all()
         return slot
 
     def _take_slot(self, slot: Slot) -> None:
-        with self._lock:
+        with self._core.lock:
             if self._slots.pop(slot.id, None) is None:
                 raise ValueError("slot: not reserved here (committed, dropped or expired)")
 
     def drop_slot(self, slot: Slot) -> bool:
-        """Free a slot that will not be committed; False when it was not reserved (any more)."""
+        """``TieredStore.drop_slot``."""
         try:
             self._take_slot(slot)
         except ValueError:
@@ -195,17 +207,18 @@ class StorePool(StoreMoves):
         return True
 
     def _free_slot(self, slot: Slot) -> None:
-        self._io.mem[Tier.CPU].abort_slot(slot.id)
-        self._release(Tier.CPU, slot.tenant, slot.fp)
-        with self._lock:
-            self._place.release_quota(slot.tenant, slot.nbytes)
+        core = self._core
+        core.io.mem[Tier.CPU].abort_slot(slot.id)
+        core.release(Tier.CPU, slot.tenant, slot.fp)
+        with core.lock:
+            core.place.release_quota(slot.tenant, slot.nbytes)
 
     def put_slot(self, slot: Slot, *, layout: KVLayout, num_tokens: int, tenant: str, scope: str | None = None,
                  source_position: int = 0, aux: bytes = b"", publish: bool = False,
                  payload_checksum: int | None = None) -> PutResult:
-        """``put`` of a filled slot: checksummed as its bytes are now (``payload_checksum``: as
-        the caller computed them from the slot just before, ``slot_checksums``), its header
-        written, and indexed in the CPU tier, without a copy. The slot is used up either way."""
+        """``TieredStore.put_slot``: under the key's stripe, "is it new?", then the header
+        written and the chunk indexed as ``Writes.put`` indexes one (or the slot freed)."""
+        core = self._core
         self._take_slot(slot)
         key = slot.key
         expected = payload_nbytes(layout, num_tokens)
@@ -217,33 +230,34 @@ class StorePool(StoreMoves):
                          layout_fingerprint=layout_fingerprint(layout), num_tokens=num_tokens,
                          payload_nbytes=expected, source_position=source_position, aux=bytes(aux),
                          created_at=time.time())
-        with self._stripe(key):
-            with self._lock:
-                existing = self._place.entries.get(key)
-                closed = self._closed
+        with core.stripe(key):
+            with core.lock:
+                existing = core.place.entries.get(key)
+                closed = core.closed
             if closed or existing is not None:
                 self._free_slot(slot)
-                self._check_open()
-                with self._lock:
-                    self._counters.duplicate_puts += 1
-                published = self._publish(existing) if publish else existing.remote
+                core.check_open()
+                with core.lock:
+                    core.counters.duplicate_puts += 1
+                published = core.publish(existing) if publish else existing.remote
                 return PutResult(key, existing.fastest() or Tier.REMOTE, False, published)
             meta = replace(meta, checksum=checksum(slot.payload) if payload_checksum is None else payload_checksum)
             write_header(slot.view[:HEADER_NBYTES], meta)
-            self._io.mem[Tier.CPU].commit_slot(slot.id, key)
-            with self._lock:
+            core.io.mem[Tier.CPU].commit_slot(slot.id, key)
+            with core.lock:
                 e = Entry(meta=meta, obj_nbytes=object_nbytes(slot.nbytes))
-                self._place.add(e, quota_reserved=True)
-                self._place.attach(e, Tier.CPU, reserved=True)
-                c = self._counters
+                core.place.add(e, quota_reserved=True)
+                core.place.attach(e, Tier.CPU, reserved=True)
+                c = core.counters
                 c.puts += 1
                 c.put_bytes += meta.payload_nbytes
                 c.tiers[Tier.CPU].write_bytes += e.obj_nbytes
-        published = self._publish(e) if publish else False
+        published = core.publish(e) if publish else False
         return PutResult(key, Tier.CPU, True, published)
 
-    def _drop_all_slots(self) -> None:
-        with self._lock:
+    def drop_all_slots(self) -> None:
+        """Free every reserved slot (``TieredStore.close``)."""
+        with self._core.lock:
             slots, self._slots = list(self._slots.values()), {}
         for slot in slots:
             self._free_slot(slot)

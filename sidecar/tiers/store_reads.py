@@ -1,5 +1,6 @@
 """The read path of ``TieredStore``: ``get_many`` (pin, batched verified reads, fallback to
-the remote copy, chunks other sidecars published) and promotion of hits to the fastest tier."""
+the remote copy, chunks other sidecars published) and promotion of hits to the fastest tier,
+over the store's core (``StoreCore``: pins, moves, locks)."""
 
 from __future__ import annotations
 
@@ -12,67 +13,63 @@ from sidecar.tiers.backends import LoadFailure
 from sidecar.tiers.envelope import HEADER_NBYTES, object_nbytes
 from sidecar.tiers.events import EventKind, Reason
 from sidecar.tiers.placement import Entry
-from sidecar.tiers.store_moves import NoRoom, StoreMoves, check_key
+from sidecar.tiers.store_core import NoRoom, StoreCore, check_key
 from sidecar.tiers.tier_io import IOFailure, SourceLost, object_ok
 from sidecar.tiers.types import FetchedChunk, Tier
 
 logger = logging.getLogger(__name__)
 
 
-class StoreReads(StoreMoves):
-    """``get``/``get_many`` and promotion (see ``sidecar.tiers.store`` for the lock model)."""
+class Reads:
+    """``get_many`` and promotion, over the store's core (see ``sidecar.tiers.store`` for the
+    lock model)."""
 
-    def get(self, key: bytes, *, promote: bool | None = None) -> FetchedChunk | None:
-        """``get_many([key])[0]``."""
-        return self.get_many([key], promote=promote)[0]
+    def __init__(self, core: StoreCore) -> None:
+        self._core = core
 
     def get_many(self, keys: Sequence[bytes], *, promote: bool | None = None) -> list[FetchedChunk | None]:
-        """Payloads of ``keys`` in order; ``None`` for a miss (absent, lost, corrupt: never an
-        error). Every payload is checksum-verified. Disk and remote reads are batched into one
-        LMCache task each. A key this store never saw is looked up on the remote tier (another
-        sidecar may have published it). Hits below the fastest tier are then promoted on the
-        calling thread (``promote`` overrides ``config.promote_on_hit``; this may demote other
-        chunks to disk), unless a mover is busy, in which case promotion is skipped rather than
-        waited for.
-        """
+        """``TieredStore.get_many`` (the contract is there): pin what the index holds (index
+        lock), read it without the lock, lose what failed and retry it from the remote copy,
+        look the rest up as foreign chunks, count, then promote (mover tried, never waited for)."""
+        core = self._core
         keys = [check_key(k) for k in keys]
-        promote = self._config.promote_on_hit if promote is None else promote
+        promote = core.config.promote_on_hit if promote is None else promote
         results: list[FetchedChunk | None] = [None] * len(keys)
         objects: dict[int, torch.Tensor] = {}
-        with self._lock:
-            self._check_open()
+        with core.lock:
+            core.check_open()
             reads: list[tuple[int, Entry, Tier]] = []
             foreign: list[int] = []
             for i, key in enumerate(keys):
-                e = self._place.entries.get(key)
+                e = core.place.entries.get(key)
                 tier = e.fastest() if e is not None else None
                 if e is None or tier is None:
-                    if self._io.remote is not None and key not in self._remote_removing:
+                    if core.io.remote is not None and key not in core.remote_removing:
                         foreign.append(i)
                     continue
-                self._pin(e, tier)
+                core.pin(e, tier)
                 reads.append((i, e, tier))
         failed = self._read(reads, results, objects)
         retry: list[tuple[int, Entry, Tier]] = []
         for i, e, tier, reason in failed:
-            self._lose(e, tier, reason)
-            with self._lock:
-                if e.remote and tier != Tier.REMOTE and self._place.entries.get(e.key) is e:
-                    self._pin(e, Tier.REMOTE)
+            core.lose(e, tier, reason)
+            with core.lock:
+                if e.remote and tier != Tier.REMOTE and core.place.entries.get(e.key) is e:
+                    core.pin(e, Tier.REMOTE)
                     retry.append((i, e, Tier.REMOTE))
         for _, e, tier, reason in self._read(retry, results, objects):
-            self._lose(e, tier, reason)
+            core.lose(e, tier, reason)
         if foreign:
-            fetched, bad = self._io.read_foreign([keys[i] for i in foreign])
+            fetched, bad = core.io.read_foreign([keys[i] for i in foreign])
             for i, (chunk, obj) in zip(foreign, fetched, strict=True):
                 if chunk is not None:
                     results[i] = chunk
                     objects[i] = obj
             if bad:
-                with self._lock:
-                    self._counters.checksum_failures += bad
-        with self._lock:
-            c = self._counters
+                with core.lock:
+                    core.counters.checksum_failures += bad
+        with core.lock:
+            c = core.counters
             c.gets += len(keys)
             for r in results:
                 if r is None:
@@ -82,22 +79,9 @@ class StoreReads(StoreMoves):
                     c.get_bytes += r.meta.payload_nbytes
                     c.tiers[r.tier].hits += 1
                     c.tiers[r.tier].read_bytes += object_nbytes(r.meta.payload_nbytes)
-        if promote and self._chain:
+        if promote and core.chain:
             self._promote_hits(results, objects)
         return results
-
-    def _pin(self, e: Entry, tier: Tier) -> None:
-        e.readers[tier] = e.readers.get(tier, 0) + 1
-        self._active_reads += 1
-        self._place.touch(e, tier)
-
-    def _unpin(self, e: Entry, tier: Tier) -> None:
-        self._active_reads -= 1
-        n = e.readers[tier] - 1
-        if n:
-            e.readers[tier] = n
-        else:
-            del e.readers[tier]
 
     def _read(
         self,
@@ -106,12 +90,14 @@ class StoreReads(StoreMoves):
         objects: dict[int, torch.Tensor],
     ) -> list[tuple[int, Entry, Tier, Reason]]:
         """Read pinned entries into ``results``; returns the failures. Unpins everything."""
+        core = self._core
+        io = core.io
         failed: list[tuple[int, Entry, Tier, Reason]] = []
         try:
             batches: dict[Tier, list[tuple[int, Entry]]] = {}
             for i, e, tier in reads:
-                if tier in self._io.mem:
-                    payload = self._io.read_memory(tier, e.key, e.meta)
+                if tier in io.mem:
+                    payload = io.read_memory(tier, e.key, e.meta)
                     if payload is None:
                         failed.append((i, e, tier, Reason.CORRUPTION))
                     else:
@@ -119,15 +105,15 @@ class StoreReads(StoreMoves):
                 else:
                     batches.setdefault(tier, []).append((i, e))
             for tier, items in batches.items():
-                if not self._io.available(tier):
+                if not io.available(tier):
                     continue  # misses while the tier is avoided (breaker open); nothing is removed
                 try:
-                    objs = self._io.load_batch(tier, [e.key for _, e in items], [e.obj_nbytes for _, e in items])
+                    objs = io.load_batch(tier, [e.key for _, e in items], [e.obj_nbytes for _, e in items])
                 except TimeoutError:
                     # Slow, not lost: these are misses this time and nothing is removed.
                     logger.warning("%s read of %d chunks timed out", tier.value, len(items))
-                    with self._lock:
-                        self._counters.io_errors += 1
+                    with core.lock:
+                        core.counters.io_errors += 1
                     continue
                 for (i, e), obj in zip(items, objs, strict=True):
                     if isinstance(obj, LoadFailure):
@@ -139,30 +125,31 @@ class StoreReads(StoreMoves):
                         results[i] = FetchedChunk(e.meta, tier, obj[HEADER_NBYTES:])
                         objects[i] = obj
         finally:
-            with self._lock:
+            with core.lock:
                 for _, e, tier in reads:
-                    self._unpin(e, tier)
-                self._cv.notify_all()
+                    core.unpin(e, tier)
+                core.cv.notify_all()
         return failed
 
     def _promote_hits(self, results: list[FetchedChunk | None], objects: dict[int, torch.Tensor]) -> None:
-        top = self._chain[0]
+        core = self._core
+        top = core.chain[0]
         wanted = [(i, r) for i, r in enumerate(results) if r is not None and r.tier != top]
-        if not wanted or not self._mover.acquire(blocking=False):
+        if not wanted or not core.mover.acquire(blocking=False):
             return
         try:
-            if self._closed:
+            if core.closed:
                 return
             for i, r in wanted:
                 self._promote(r, objects.get(i), top)
         finally:
-            self._mover.release()
+            core.mover.release()
 
     def _promote(self, r: FetchedChunk, obj: torch.Tensor | None, top: Tier) -> None:
         """Copy a hit up to ``top`` and drop its slower local copy. Mover held. Skipped while
         the key's stripe is taken: a put of the same key may be placing it (a foreign chunk
         is not in the index yet, so both would stage the key in ``top``)."""
-        stripe = self._stripe(r.meta.key)
+        stripe = self._core.stripe(r.meta.key)
         if not stripe.acquire(blocking=False):
             return
         try:
@@ -171,14 +158,15 @@ class StoreReads(StoreMoves):
             stripe.release()
 
     def _promote_locked(self, r: FetchedChunk, obj: torch.Tensor | None, top: Tier) -> None:
+        core = self._core
         key = r.meta.key
-        p = self._place
-        with self._lock:
+        p = core.place
+        with core.lock:
             e = p.entries.get(key)
             if e is None:
-                if r.tier != Tier.REMOTE or key in self._remote_removing:
+                if r.tier != Tier.REMOTE or key in core.remote_removing:
                     return
-                quota = self._config.quota_for(r.meta.tenant).max_bytes
+                quota = core.config.quota_for(r.meta.tenant).max_bytes
                 if quota is not None and p.tenant_bytes[r.meta.tenant] + r.meta.payload_nbytes > quota:
                     return
                 # A chunk published by another sidecar: this store now tracks its remote copy.
@@ -187,33 +175,33 @@ class StoreReads(StoreMoves):
                 p.attach(e, Tier.REMOTE)
             if e.moving or e.fastest() != r.tier or e.meta != r.meta:
                 return
-            fp = self._io.footprint(top, e.obj_nbytes)
+            fp = core.io.footprint(top, e.obj_nbytes)
             if not p.could_hold(top, fp, e.tenant) or not p.reclaimable(top, fp, e.tenant):
                 return
             e.moving = True
         src = r.tier
         try:
-            self._reserve_room(top, fp, e.tenant)
+            core.reserve_room(top, fp, e.tenant)
             try:
                 if obj is not None:
-                    self._write_object(top, key, obj)
+                    core.write_object(top, key, obj)
                 else:
-                    self._copy_object(e, src, top)
+                    core.copy_object(e, src, top)
             except BaseException:
-                self._release(top, e.tenant, fp)
+                core.release(top, e.tenant, fp)
                 raise
         except (NoRoom, IOFailure, SourceLost) as exc:
             logger.debug("promotion of %s skipped: %s", key.hex(), exc)
             e.moving = False
             return
-        with self._lock:
+        with core.lock:
             if src != Tier.REMOTE:
                 p.detach(e, src)
             p.attach(e, top, reserved=True)
-            self._counters.promotions += 1
-            self._counters.tiers[top].promotions_in += 1
-            self._counters.tiers[top].write_bytes += e.obj_nbytes
-            self._emit(EventKind.PROMOTED, e, src, top, Reason.HIT)
+            core.counters.promotions += 1
+            core.counters.tiers[top].promotions_in += 1
+            core.counters.tiers[top].write_bytes += e.obj_nbytes
+            core.emit(EventKind.PROMOTED, e, src, top, Reason.HIT)
         if src != Tier.REMOTE:
-            self._drain_and_remove(e, src)
+            core.drain_and_remove(e, src)
         e.moving = False

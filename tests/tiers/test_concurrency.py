@@ -121,7 +121,7 @@ def test_put_with_room_does_not_wait_for_a_mover(make_store, layout: KVLayout, p
         store.put(key(1), make_payload(1, payload_size), layout=layout, num_tokens=NUM_TOKENS, tenant="a")
         done.set()
 
-    with store._mover:  # a long demotion or eviction in progress
+    with store._core.mover:  # a long demotion or eviction in progress
         t = threading.Thread(target=put)
         t.start()
         assert done.wait(30)

@@ -227,9 +227,9 @@ def test_chunks_pinned_by_readers_cause_backpressure_not_loss(
     for i in range(2):
         store.put(key(i), make_payload(i, payload_size), layout=layout, num_tokens=NUM_TOKENS, tenant="a")
     entries = [store._entries[key(i)] for i in range(2)]
-    with store._lock:  # two readers in the middle of copying both chunks out
+    with store._core.lock:  # two readers in the middle of copying both chunks out
         for e in entries:
-            store._pin(e, Tier.CPU)
+            store._core.pin(e, Tier.CPU)
     with pytest.raises(CapacityError) as info:
         store.put(key(2), make_payload(2, payload_size), layout=layout, num_tokens=NUM_TOKENS, tenant="a")
     assert (info.value.tier, info.value.pinned_bytes, info.value.reason) == (
@@ -238,9 +238,9 @@ def test_chunks_pinned_by_readers_cause_backpressure_not_loss(
         "pinned by readers",
     )
     assert store.take_events() == [] and store.stats().capacity_refusals == 1
-    with store._lock:
+    with store._core.lock:
         for e in entries:
-            store._unpin(e, Tier.CPU)
+            store._core.unpin(e, Tier.CPU)
     assert store.put(key(2), make_payload(2, payload_size), layout=layout, num_tokens=NUM_TOKENS, tenant="a").stored
     assert [e.key for e in store.take_events()] == [key(0)]
 

@@ -101,7 +101,7 @@ def test_foreign_chunk_not_promoted_while_a_put_of_it_is_placing(
     producer = make_store(cpu_bytes=1 << 20, remote_url=redis_url, remote_bytes=1 << 20)
     _put(producer, 1, layout, payload_size, publish=True)
     consumer = make_store(cpu_bytes=1 << 20, remote_url=redis_url, remote_bytes=1 << 20)
-    with consumer._stripe(key(1)):  # a put of key 1 between "is it new?" and "attached"
+    with consumer._core.stripe(key(1)):  # a put of key 1 between "is it new?" and "attached"
         got = consumer.get(key(1))
         assert got.tier == Tier.REMOTE and torch.equal(got.payload, make_payload(1, payload_size))
         assert consumer.locate(key(1)) is None and consumer.take_events() == []
@@ -261,7 +261,7 @@ def test_a_redis_that_comes_back_is_used_again_without_waiting_out_the_back_off(
     store = make_store(cpu_bytes=0, remote_url=restartable_redis.url, remote_bytes=1 << 20, io_timeout_s=0.5)
     _put(store, 1, layout, payload_size)
     restartable_redis.kill()
-    trip = store._io.breakers[Tier.REMOTE]
+    trip = store._core.io.breakers[Tier.REMOTE]
     while trip._backoff < breaker.MAX_S:  # each failed call doubles the back-off
         trip._until = 0.0
         assert store.get(key(9)) is None
