@@ -86,13 +86,13 @@ def breakdown(sizes: list[int], reps: int) -> dict:
             unseeded = ChunkIndex(index.chunker, InMemoryRegistry(RegistryConfig(seed_interval=0)))
             unseeded.register(old, old.tobytes(), ident, "bench")
             fresh = conversation(rng, n)
-            miss = sv._lookup_query(pb.LookupRequest(tokens=fresh.tobytes(), identity=identity_to_wire(ident),
+            miss = sv.lookup_query(pb.LookupRequest(tokens=fresh.tobytes(), identity=identity_to_wire(ident),
                                                      dry_run=True), "bench")
             bits = index.registry.table.seed_bits
 
             def once() -> list[float]:
                 t = [clock()]
-                q = sv._lookup_query(req, "bench")
+                q = sv.lookup_query(req, "bench")
                 t.append(clock())
                 plan = index.lookup(q)
                 t.append(clock())

@@ -128,7 +128,7 @@ def build(config: SidecarConfig, *, session_table: SessionTable | None = None) -
     ``config`` then rules the session limits and TTLs."""
     metrics = Metrics(__version__)
     shared = _shared_registry(config)
-    index = ChunkIndex(config.chunker, InMemoryRegistry(config.registry), publisher=shared)
+    index = ChunkIndex(config.chunker, InMemoryRegistry(config.registry), shared=shared)
     # limits.max_bytes* become the tier store's tenant quotas
     store = TieredStore(config.limits.store_config(config.store))
     ledger = ClaimLedger(config.claims, index.registry, store)
@@ -146,7 +146,7 @@ def build(config: SidecarConfig, *, session_table: SessionTable | None = None) -
         max_sessions_per_tenant=config.limits.session_ceiling(config.directives.max_sessions_per_tenant),
     )
     sessions = SpliceService(
-        directives.session_config(), table=session_table, resolver=dataplane.resolve_held,
+        directives.session_config(), table=session_table, resolver=dataplane.held.resolve,
         forget_tenants=directives.forget_tenants, sweep_interval_s=directives.sweep_interval_s,
     )
     claims = ClaimsService(config.claims, index, ledger, sessions)
@@ -159,7 +159,7 @@ def build(config: SidecarConfig, *, session_table: SessionTable | None = None) -
     )
     edge = Edge(tenancy, limits, metrics, shared_memory=config.fetch_shared_memory)
     manifests = ManifestService(config.manifests, index, dataplane, config.max_prompt_tokens)
-    kv = KVHandlers(edge, config, index, dataplane, ledger, shared)
+    kv = KVHandlers(edge, config, index, dataplane, ledger)
     fleet = Fleet(config.routing, index, shared)
     kv.on_stored = fleet.saw_identity
     handlers = (

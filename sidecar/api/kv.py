@@ -396,6 +396,18 @@ def fetch_item(item: tuple[int, int] | FetchSpec) -> pb.FetchItem:
     return pb.FetchItem(chunk_hash=item[0], target_pos=item[1])
 
 
+def fetch_items_from_wire(items: Sequence[pb.FetchItem], max_items: int, field: str = "items"
+                          ) -> list[tuple[int, int]] | list[FetchSpec]:
+    """A Fetch's items: ``(chunk_hash, target_pos)`` pairs, or, when any item is a span, a
+    ``FetchSpec`` per item (at most ``max_items``: INVALID_ARGUMENT naming the field)."""
+    if len(items) > max_items:
+        raise InvalidArgument(f"{field}: {len(items)} exceeds max_fetch_items {max_items}")
+    if any(it.num_tokens or it.next_hashes or it.row_offset for it in items):
+        return [FetchSpec(it.chunk_hash, it.target_pos, it.num_tokens, it.row_offset, tuple(it.next_hashes))
+                for it in items]
+    return [(it.chunk_hash, it.target_pos) for it in items]
+
+
 def fetch_request(
     identity: CacheIdentity,
     layout: KVLayout,

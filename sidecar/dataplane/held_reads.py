@@ -1,6 +1,6 @@
 """Held sessions: a session's tokens -> canonical stored copies -> runs served by FetchSession.
 
-``HeldPath`` is the part of ``DataPlane`` that resolves each token of a held session to its
+``HeldReads`` (the data plane's ``held``) resolves each token of a held session to its
 canonical stored copy (chunk, row, source position) and serves a span of the session's current
 layout from those copies, each run rotated ONCE from its canonical source position, so a held
 copy never drifts however many edits moved it (docs/splice.md, "Sessions the sidecar holds").
@@ -9,16 +9,17 @@ copy never drifts however many edits moved it (docs/splice.md, "Sessions the sid
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import torch
 
-from sidecar.dataplane.fetch import check_layout, check_rope
+from sidecar.dataplane.reads import check_layout, check_rope
 from sidecar.dataplane.records import DataPlaneCounters, SessionRun
 from sidecar.directives.held import HeldKV, HeldRuns, HeldSpan
 from sidecar.errors import FailedPrecondition, InvalidArgument
 from sidecar.identity import SHARED_SCOPE, CacheIdentity, KVLayout
-from sidecar.registry.chunk_index import LookupQuery
+from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
 from sidecar.registry.entry import ChunkEntry, EntryState
 from sidecar.registry.lookup_plan import (
     SEG_END,
@@ -30,14 +31,19 @@ from sidecar.registry.lookup_plan import (
     AdmissionPolicy,
     SegmentKind,
 )
-from sidecar.tiers import (
-    chunk_key,
-    decode_payload,
-)
+from sidecar.tiers import TieredStore, chunk_key, decode_payload
 
 
-class HeldPath:
-    def resolve_held(
+class HeldReads:
+    def __init__(self, index: ChunkIndex, store: TieredStore, counters: DataPlaneCounters,
+                 synced: Callable[[], Awaitable[None]]) -> None:
+        self.index = index
+        self.store = store
+        self.counters = counters
+        #: the plane's ``synced``: tier events applied to the registry after each read
+        self.synced = synced
+
+    def resolve(
         self, tenant: str, identity: CacheIdentity, tokens: np.ndarray, refs: HeldKV, start: int, end: int
     ) -> HeldKV:
         """The references of a held session with ``[start, end)`` brought up to date (the
@@ -123,7 +129,7 @@ class HeldPath:
             hits[each, SEG_SOURCE].astype(np.int64) + rel,
         )
 
-    async def fetch_session(self, span: HeldSpan, layout: KVLayout, rope, raw: bool) -> list[SessionRun]:
+    async def fetch(self, span: HeldSpan, layout: KVLayout, rope, raw: bool) -> list[SessionRun]:
         """The KV of ``span`` (a held session's range, every position backed): per run, its
         rows gathered from the run's canonical chunk and its rotary parts rotated ONCE by the
         run's ``delta`` (session position - canonical source position), unless ``raw``.
@@ -161,9 +167,6 @@ class HeldPath:
         out = await asyncio.to_thread(_gather_runs, runs, chunks, layout, rope, raw, self.counters)
         self.counters.fetched_bytes += sum(r.payload.numel() for r in out)
         return out
-
-    # ------------------------------------------------------------------ operators
-
 
 
 def _gather_runs(

@@ -1,10 +1,14 @@
 """The data plane: chunk KV in the tiered store, kept consistent with the registry.
 
-    Store(tokens, layout, payload parts)          Fetch(items = (hash, target_pos))
-      chunk tokens -> boundaries                    registry entry (scope-checked)
-      parts checked and staged (intake.py)          store.get_many (checksum-verified, promoted)
-      store.put per chunk (atomic, checksummed)     rotary parts rotated by target - source
-      registry entry -> RESIDENT (visible now)      (fp32 math, one rounding) unless raw
+    Store(tokens, layout, payload parts)          Fetch(FetchQuery: items, layout, rope, ...)
+      chunk tokens -> boundaries                    keys (another shard's plan translated),
+      parts checked and staged (intake.py)            spans expanded (fetch_query.py)
+      store.put per chunk (atomic, checksummed)     registry entry (scope-checked)
+      registry entry -> RESIDENT (visible now)      store.get_many (checksum-verified, promoted)
+                                                    rotary parts rotated by target - source
+    Lookup(LookupQuery)                             (fp32 math, one rounding) unless raw
+      ChunkIndex.plan (near cache filled first)     spans joined, head ranges sliced
+      the plan of another TP cut if it reuses more  -> one FetchAnswer per item
 
 Consistency rules (the registry always knows where a chunk's bytes are):
 
@@ -20,7 +24,7 @@ Consistency rules (the registry always knows where a chunk's bytes are):
 
 Held sessions (docs/splice.md, "Sessions the sidecar holds")::
 
-    resolve_held(tokens, refs)                    fetch_session(span = runs of one chunk + delta)
+    held.resolve(tokens, refs)                    held.fetch(span = runs of one chunk + delta)
       chunk the session's tokens as Lookup does     store.get_many of each chunk once
       (ChunkIndex.lookup: own scope + shared,       rows gathered per run, rotary parts rotated
       verified, RESIDENT only) -> unbacked tokens   ONCE by position - canonical source position
@@ -44,24 +48,27 @@ the registry is only touched on the event loop thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from sidecar.claims import ClaimLedger
 from sidecar.dataplane.cuts import CutFamilies
-from sidecar.dataplane.fetch import FetchPath, check_layout
-from sidecar.dataplane.held_reads import HeldPath
+from sidecar.dataplane.fetch_query import FetchAnswer, FetchPath, FetchQuery
+from sidecar.dataplane.held_reads import HeldReads
 from sidecar.dataplane.intake import StoreIntake, check_payloads, chunk_sizes
 from sidecar.dataplane.pool import PoolPath
+from sidecar.dataplane.reads import ChunkReads, check_layout
 from sidecar.dataplane.records import DataPlaneCounters, StoreOutcome, decode_aux, encode_aux
 from sidecar.errors import ResourceExhausted
 from sidecar.identity import SHARED_SCOPE, CacheIdentity, KVLayout
-from sidecar.registry.chunk_index import ChunkIndex
+from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
 from sidecar.registry.entry import ChunkEntry, EntryState
+from sidecar.registry.lookup_plan import LookupPlan
 from sidecar.tiers import (
     TIER_RANK,
     CapacityError,
@@ -89,7 +96,13 @@ def _put_all(puts: list[Callable[[], Any]]) -> tuple[list[Any], BaseException | 
     return out, None
 
 
-class DataPlane(FetchPath, HeldPath):
+class DataPlane:
+    """Store, Fetch and Lookup over one chunk index and one tier store, kept consistent (the
+    module docstring). Its paths are parts it composes, each given what it reads: ``fetches``
+    (a Fetch from query to answers, ``fetch_query``) over ``reads`` (chunk reads,
+    ``reads``), ``held`` (held sessions, ``held_reads``), ``pool`` (leases and reservations of
+    the shared pool, ``pool``), ``cuts`` (the tensor-parallel cuts that stored, ``cuts``)."""
+
     def __init__(
         self, index: ChunkIndex, store: TieredStore | StoreConfig, *, claims: ClaimLedger | None = None,
         publish_remote: bool = False, on_registry_eviction: Callable[[str], None] | None = None,
@@ -112,6 +125,36 @@ class DataPlane(FetchPath, HeldPath):
                              max_leases=pool_max_leases)
         #: the tensor-parallel cuts of each model that have stored (``dataplane.cuts``)
         self.cuts = CutFamilies()
+        self.reads = ChunkReads(index, self.store, self.counters, self.synced)
+        self.fetches = FetchPath(index, self.reads)
+        self.held = HeldReads(index, self.store, self.counters, self.synced)
+
+    # ------------------------------------------------------------------ Lookup and Fetch
+
+    async def lookup(self, query: LookupQuery) -> LookupPlan:
+        """The plan of ``query`` (``ChunkIndex.plan``: the shared registry's near cache filled
+        first), or, when another tensor-parallel cut of the model that has stored reuses more of
+        the prompt, that cut's plan naming its shard (``LookupPlan.plan_shard``, ``dataplane.cuts``)."""
+        plan = await self.index.plan(query)
+        others = self.cuts.others(query.identity)
+        if not others or plan.summary.prefill_tokens == 0:
+            return plan
+
+        def reused(p: LookupPlan) -> int:
+            return p.summary.exact_tokens + p.summary.shifted_tokens
+
+        best = plan
+        for lead in others:
+            alt = await self.index.plan(dataclasses.replace(query, identity=lead))
+            if reused(alt) > reused(best):
+                alt.plan_shard = lead.shard
+                best = alt
+        return best
+
+    def fetch(self, query: FetchQuery, *, gather: bool = False) -> AsyncIterator[FetchAnswer]:
+        """One answer per item of ``query``, in order (``FetchPath.fetch``: every refusal before
+        the first answer)."""
+        return self.fetches.fetch(query, gather=gather)
 
     # ------------------------------------------------------------------ consistency
 
@@ -415,8 +458,8 @@ class DataPlane(FetchPath, HeldPath):
             mine = [e.key for e in entries.values() if e.key in watched]
             if mine:
                 self.claims.on_keys(mine)
-        if index.publisher is not None:
-            index.publisher.publish([reg.peek(e.key) for e in entries.values()], shared_copies)
+        if index.shared is not None:
+            index.shared.publish([reg.peek(e.key) for e in entries.values()], shared_copies)
         nbytes = sum(len(payloads[s]) for s in tiers)
         self.counters.stored_chunks += len(tiers)
         self.counters.stored_bytes += nbytes
@@ -428,7 +471,7 @@ class DataPlane(FetchPath, HeldPath):
             await asyncio.to_thread(self.store.delete, keys)
             self.store.take_events()
 
-    # ------------------------------------------------------------------ fetch
+    # ------------------------------------------------------------------ operators
 
     def owned_keys(self, tenant: str, hashes: Sequence[int], may_write_shared: bool) -> list[int]:
         """The keys of ``hashes`` that ``tenant`` may evict or delete, each with every other copy
@@ -460,8 +503,8 @@ class DataPlane(FetchPath, HeldPath):
         for h in hashes:
             if reg.delete(h):
                 n += 1
-        if gone and self.index.publisher is not None:
-            self.index.publisher.unpublish(gone)
+        if gone and self.index.shared is not None:
+            self.index.shared.unpublish(gone)
         await asyncio.to_thread(self.store.delete, [chunk_key(h) for h in hashes])
         reg.take_events()
         await self.synced()

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sidecar.dataplane.fetch import check_layout
+from sidecar.dataplane.fetch_query import FetchQuery
+from sidecar.dataplane.reads import check_layout
 from sidecar.dataplane.records import StoreOutcome
 from sidecar.dataplane.spans import expand as expand_spans
 from sidecar.errors import InvalidArgument, NotFound, ResourceExhausted
@@ -118,11 +119,14 @@ class PoolPath:
 
     # ------------------------------------------------------------------ leases
 
-    async def lease_fetch(self, tenant: str, identity: CacheIdentity, layout: KVLayout,
-                          items: Sequence[tuple[int, int] | FetchSpec], max_bytes: int | None = None) -> LeaseAnswer:
-        """Lease every hit of ``items`` in the pool (see the module docstring)."""
+    async def lease_fetch(self, query: FetchQuery) -> LeaseAnswer:
+        """Lease every hit of ``query``'s items in the pool (see the module docstring): its
+        whole chunks (``query.heads`` and ``rope`` are not read: the engine reads its heads
+        from the slots and rotates them itself)."""
         name = self._require()
+        tenant, identity, layout, max_bytes = query.tenant, query.identity, query.layout, query.max_bytes
         check_layout(identity, layout)
+        items = self.plane.fetches.keys(query)
         await self.reap()
         if len(self._leases) >= self.max_leases:
             raise ResourceExhausted(f"pool_max_leases: {self.max_leases} leases are held; release them "

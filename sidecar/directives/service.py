@@ -16,7 +16,7 @@ with which the server's edge drains them into its metrics. Like the table, every
 synchronous and runs on the server's event loop, so each call is atomic with respect to the
 others; ``run_sweeper`` is the periodic expiry task.
 
-Held sessions: ``resolver`` (the data plane's ``resolve_held``) is handed to the table, which
+Held sessions: ``resolver`` (the data plane's ``held.resolve``) is handed to the table, which
 uses it to find each token's canonical stored copy; ``held_span`` is what FetchSession serves.
 """
 

@@ -68,7 +68,14 @@ _APPROX = int(Fidelity.APPROXIMATE)
 _SEED_CACHE = 1024
 
 
-class RegistryPublisher(Protocol):
+class SharedIndex(Protocol):
+    """The registry shared across sidecars (``sidecar.registry.shared.SharedRegistry``), of
+    which this index's registry is the near cache."""
+
+    async def fill(self, index: ChunkIndex, q: LookupQuery) -> Chunks:
+        """Chunk ``q`` once for its scopes and bring the chunks missing here in (one round trip
+        at most; never raises for its transport): the chunks for ``index.lookup(q, chunks)``."""
+
     def publish(self, entries: Iterable[ChunkEntry | None], shared_copies: Collection[int] = ()) -> None:
         """Make ``entries`` (just registered; None where already evicted) known to peers;
         ``shared_copies``: keys whose bytes the shared remote tier holds. Must not block."""
@@ -106,11 +113,12 @@ class ChunkIndex:
     """Owns the chunker configuration and the registry; plans lookups, registers chunks."""
 
     def __init__(self, chunker: ChunkerConfig, registry: InMemoryRegistry,
-                 publisher: RegistryPublisher | None = None) -> None:
+                 shared: SharedIndex | None = None) -> None:
         self.chunker = chunker
         self.registry = registry
-        #: Told of every entry registered here (the shared registry's ``publish``), or None.
-        self.publisher = publisher
+        #: The registry shared across sidecars (None: this one alone): a Lookup fills the near
+        #: cache from it first (``plan``), every entry registered here is published to it.
+        self.shared = shared
         #: Told ``(identity, entries)`` after chunks are registered here for the first time (the
         #: manifest producer). Called on the registering thread: it must only buffer.
         self.on_new_chunks: Callable[[CacheIdentity, list[ChunkEntry]], None] | None = None
@@ -133,6 +141,12 @@ class ChunkIndex:
         return chunk_tokens(tokens, self.chunker, seeds, identity.salt)
 
     # ----------------------------------------------------------------------------- lookup
+
+    async def plan(self, q: LookupQuery) -> LookupPlan:
+        """Plan ``q`` after filling the near cache from the shared registry (``SharedIndex.fill``:
+        the chunks missing here brought in, one round trip at most), or from this registry alone."""
+        chunks = await self.shared.fill(self, q) if self.shared is not None else None
+        return self.lookup(q, chunks)
 
     def lookup(self, q: LookupQuery, chunks: Chunks | None = None) -> LookupPlan:
         """Plan ``q``. ``chunks``: ``self.chunk(q.tokens, q.identity, scopes)`` already computed
@@ -493,10 +507,10 @@ class ChunkIndex:
         new = [entry for entry in entries if self.registry.insert(entry)]
         added = len(new)
         self.announce(identity, new)
-        if self.publisher is not None:
+        if self.shared is not None:
             # RESIDENT entries are published by the data plane, which knows where their bytes are.
             known = map(self.registry.peek, [e.key for e in entries])
-            self.publisher.publish([e for e in known if e is not None and e.state is not EntryState.RESIDENT])
+            self.shared.publish([e for e in known if e is not None and e.state is not EntryState.RESIDENT])
         starts = [e.source_pos for e in entries]
         bounds = (*starts, end) if starts else ()
         return RegisterResult(len(entries), added, len(entries) - added, tuple(e.key for e in entries), bounds)

@@ -1,9 +1,9 @@
 """The data-plane RPCs: Lookup, Store, Fetch, Evict, Delete, Stats, Ping.
 
-Thin handlers: resolve the tenant (``Edge``), convert the wire request (``sidecar.api.kv``),
-call the domain (``ChunkIndex`` for plans and registration, ``DataPlane`` for payloads), convert
-the result back and count it. A request that fails validation changes nothing. With a shared
-(Redis) registry, a Lookup first fills the local near cache from it (``SharedRegistry.fill``).
+Thin handlers: resolve the tenant (``Edge``), decode the wire request (``sidecar.api.kv``) into
+its domain query, make one domain call (``DataPlane.lookup``, ``DataPlane.fetch``, a Store's
+``StoreIntake`` then ``DataPlane.store_stream``, ...), encode the result and count it. A request
+that fails validation changes nothing.
 """
 
 from __future__ import annotations
@@ -13,17 +13,16 @@ import functools
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import replace
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
-import torch
 
 import sidecar.api.kv as wire
 from sidecar import __version__
 from sidecar.api.frames import Framer
 from sidecar.api.kv import (
+    fetch_items_from_wire,
     layout_from_wire,
     lookup_plan_to_wire,
     policy_from_wire,
@@ -35,17 +34,12 @@ from sidecar.api.store_frames import StorePart
 from sidecar.claims import ClaimLedger
 from sidecar.config import SidecarConfig
 from sidecar.dataplane import DataPlane
-from sidecar.dataplane.cuts import SliceBuffers, check_heads, slice_heads
+from sidecar.dataplane.fetch_query import FetchQuery
 from sidecar.dataplane.intake import StoreIntake, check_register_from
-from sidecar.dataplane.shards import check_shards, translate
-from sidecar.dataplane.spans import SpanResult, regroup
-from sidecar.dataplane.spans import check as check_spans
-from sidecar.dataplane.spans import expand as expand_spans
 from sidecar.errors import FailedPrecondition, InvalidArgument
 from sidecar.identity import SHARED_SCOPE, CacheIdentity, KVLayout
 from sidecar.registry.chunk_index import ChunkIndex, LookupQuery
-from sidecar.registry.lookup_plan import AdmissionPolicy, FetchSpec, LookupPlan
-from sidecar.registry.shared import SharedRegistry
+from sidecar.registry.lookup_plan import AdmissionPolicy
 from sidecar.server.edge import Edge, rpc, streaming
 from sidecar.shm import ShmWriter
 from sidecar.tiers import TIER_NAMES
@@ -68,18 +62,16 @@ def _settled(task: asyncio.Task) -> None:
 
 
 class KVHandlers:
-    """Lookup / Store / Fetch / Evict / Delete / Stats / Ping. ``shared`` is the Redis registry
-    in front of which the local one is a near cache (None: embedded registry only); ``claims``
-    guards Evict and Delete of chunks a live protecting claim holds."""
+    """Lookup / Store / Fetch / Evict / Delete / Stats / Ping. ``claims`` guards Evict and
+    Delete of chunks a live protecting claim holds."""
 
     def __init__(self, edge: Edge, config: SidecarConfig, index: ChunkIndex, dataplane: DataPlane,
-                 claims: ClaimLedger, shared: SharedRegistry | None) -> None:
+                 claims: ClaimLedger) -> None:
         self.edge = edge
         self.config = config
         self.index = index
         self.dataplane = dataplane
         self.claims = claims
-        self.shared = shared
         self.metrics = edge.metrics
         self.started = time.time()
         self._lookup_counters = {}
@@ -88,7 +80,6 @@ class KVHandlers:
         self.tenant_totals: OrderedDict[str, dict[str, int]] = OrderedDict()
         #: committed Stores still writing (they finish even when their call was cancelled)
         self._commits: set[asyncio.Task] = set()
-        self._slices = SliceBuffers()  # Fetch.heads answers
         #: Store streams whose commit arrived, waiting for their end (the client's half-close)
         self.awaiting_close = 0
         #: told the identity of every Store that stored KV (routing names it in the heartbeat)
@@ -101,36 +92,13 @@ class KVHandlers:
         t0 = time.perf_counter()
         tenant = self.edge.tenancy.resolve(context)
         query = self.lookup_query(request, tenant)
-        shared = self.shared
-        chunks = await shared.fill(self.index, query) if shared is not None else None
-        plan = self.index.lookup(query, chunks)
-        plan = await self._across_cuts(query, plan)
+        plan = await self.dataplane.lookup(query)
         msg = lookup_plan_to_wire(plan)
         self._count_lookup(query, plan.summary, plan.seed_tokens)
         m = self.metrics
         m.lookup_hit_segment_tokens.observe_many(plan.hit_segment_tokens)
         m.lookup_seconds.observe(time.perf_counter() - t0)
         return msg
-
-    async def _across_cuts(self, query: LookupQuery, plan: LookupPlan) -> LookupPlan:
-        """``plan``, or the plan under another tensor-parallel cut of the model if it reuses
-        more, naming that cut (``LookupPlan.plan_shard``, ``dataplane.cuts``)."""
-        others = self.dataplane.cuts.others(query.identity)
-        if not others or plan.summary.prefill_tokens == 0:
-            return plan
-
-        def reused(p: LookupPlan) -> int:
-            return p.summary.exact_tokens + p.summary.shifted_tokens
-
-        best = plan
-        for lead in others:
-            q = replace(query, identity=lead)
-            chunks = await self.shared.fill(self.index, q) if self.shared is not None else None
-            alt = self.index.lookup(q, chunks)
-            if reused(alt) > reused(best):
-                alt.plan_shard = lead.shard
-                best = alt
-        return best
 
     def lookup_query(self, request: wire.LookupRequest, tenant: str) -> LookupQuery:
         """The validated ``LookupQuery`` of ``request`` (INVALID_ARGUMENT naming the field)."""
@@ -325,33 +293,27 @@ class KVHandlers:
             return self.store_response(out, intake.identity, time.perf_counter() - t0)
         return self._answer(out.chunks_total, out.chunks_registered, out.chunks_refreshed, 0, out.bounds)
 
-    def fetch_items(self, request: wire.FetchRequest, identity: CacheIdentity, tenant: str
-                    ) -> list[tuple[int, int]] | list[FetchSpec]:
-        """A Fetch's items under the caller's keys: ``(hash, target_pos)`` pairs, or, when any
-        item is a span, a ``FetchSpec`` per item (checked)."""
-        if len(request.items) > self.config.max_fetch_items:
-            raise InvalidArgument(f"items: {len(request.items)} exceeds max_fetch_items {self.config.max_fetch_items}")
-        key = self._plan_keys(request, identity, tenant)
-        if any(it.num_tokens or it.next_hashes or it.row_offset for it in request.items):
-            specs = [FetchSpec(key(it.chunk_hash), it.target_pos, it.num_tokens, it.row_offset,
-                               tuple(map(key, it.next_hashes)))
-                     for it in request.items]
-            check_spans(specs)
-            return specs
-        return [(key(it.chunk_hash), it.target_pos) for it in request.items]
-
-    def _plan_keys(self, request: wire.FetchRequest, identity: CacheIdentity, tenant: str) -> Callable[[int], int]:
-        """How the request's chunk hashes map to keys under ``identity``: as they are, or, with a
-        ``plan_identity`` (another shard's plan), to the same tokens' chunks of this shard."""
-        if not request.HasField("plan_identity"):
-            return int
-        if not request.plan_identity.model_id:
-            raise InvalidArgument("plan_identity.model_id is required")
-        plan = self.edge.identities.get(request.plan_identity, True)
-        check_shards(identity, plan)
-        hashes = [h for it in request.items for h in (it.chunk_hash, *it.next_hashes)]
-        reg = self.index.registry
-        return translate(hashes, identity, reg.peek, (tenant, SHARED_SCOPE), reg.copy_at).__getitem__
+    def fetch_query(self, request: wire.FetchRequest, tenant: str, field: str = "") -> FetchQuery:
+        """The ``FetchQuery`` of ``request`` (decoded; INVALID_ARGUMENT naming the field, under
+        ``field`` when the request is nested in another)."""
+        cfg = self.config
+        identity = self.edge.identities.get(request.identity, request.HasField("identity"))
+        if not request.HasField("layout"):
+            raise InvalidArgument(f"{field}layout: required")
+        layout = layout_from_wire(request.layout, f"{field}layout")
+        plan_identity = None
+        if request.HasField("plan_identity"):
+            if not request.plan_identity.model_id:
+                raise InvalidArgument(f"{field}plan_identity.model_id is required")
+            plan_identity = self.edge.identities.get(request.plan_identity, True)
+        return FetchQuery(
+            tenant=tenant, identity=identity, layout=layout,
+            items=fetch_items_from_wire(request.items, cfg.max_fetch_items),
+            rope=rope_from_wire(request.rope) if request.HasField("rope") else None, raw=request.raw,
+            plan_identity=plan_identity,
+            heads=(request.heads.start, request.heads.count) if request.HasField("heads") else None,
+            max_items=cfg.max_fetch_items, max_bytes=cfg.max_fetch_bytes,
+        )
 
     def _spawn(self, work: Coroutine[Any, Any, _T]) -> asyncio.Task[_T]:
         """Run a committed write to its end whatever happens to its call (``drain`` waits for
@@ -378,73 +340,39 @@ class KVHandlers:
     async def Fetch(self, request: wire.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[wire.FetchResponse]:
         t0 = time.perf_counter()
         shm: ShmWriter | None = None
+        answers = None
         try:
             tenant = self.edge.tenancy.resolve(context)
             shm = self.edge.open_shm(request, context)
-            identity = self.edge.identities.get(request.identity, request.HasField("identity"))
-            if not request.HasField("layout"):
-                raise InvalidArgument("layout: required")
-            layout = layout_from_wire(request.layout)
-            heads = (request.heads.start, request.heads.count) if request.HasField("heads") else None
-            if heads is not None and check_heads(layout, *heads):
-                heads = None  # every head: the payloads as stored
-            rope = rope_from_wire(request.rope) if request.HasField("rope") else None
-            specs = self.fetch_items(request, identity, tenant)
-            if any(isinstance(it, FetchSpec) for it in specs):
-                # Span items (one per plan hit segment): expanded to per-chunk items, joined back.
-                items, groups = expand_spans(specs, self.index.registry.peek)
-                if len(items) > self.config.max_fetch_items:
-                    raise InvalidArgument(f"items: {len(items)} chunks exceed max_fetch_items {self.config.max_fetch_items}")
-                results = regroup(self.dataplane.fetch_stream(
-                    tenant, identity, layout, rope, items, request.raw, self.config.max_fetch_bytes
-                ), groups, layout, as_pieces=shm is not None and heads is None)  # into shared memory: gathered, not joined
-            else:
-                items = specs
-                # Item by item (the data plane reads in bounded windows, duplicates once); every
-                # validation error and the max_fetch_bytes refusal come with the first result.
-                results = self.dataplane.fetch_stream(
-                    tenant, identity, layout, rope, items, request.raw, self.config.max_fetch_bytes
-                )
-            r = await anext(results, None)
+            # into shared memory, a span's pieces are gathered by one write, not joined first
+            answers = self.dataplane.fetch(self.fetch_query(request, tenant), gather=shm is not None)
+            a = await anext(answers, None)  # every refusal comes before the first answer
         except BaseException as exc:
+            if answers is not None:
+                await answers.aclose()
             if shm is not None:
                 shm.close()
             if not isinstance(exc, Exception):
                 raise  # cancelled
             await self.edge.abort("Fetch", exc, context)
         nbytes = 0
-        # the head slices' buffer (``FetchRequest.heads``), reused item after item and call
-        # after call: the framer copies each answer before the next
-        sliced = self._slices.take() if heads is not None else None
         try:
             framer = Framer(self.config.fetch_part_bytes, shm)
-            while r is not None:
-                span = isinstance(r, SpanResult)
-                if r.payload is None and not (span and r.pieces):
-                    frames = framer.add(wire.FetchResponse(index=r.index, status=wire.CHUNK_STATUS_MISS, last=True), None)
+            while a is not None:
+                if a.data is None:
+                    frames = framer.add(wire.FetchResponse(index=a.index, status=wire.CHUNK_STATUS_MISS, last=True), None)
                 else:
-                    if span:
-                        data = r.pieces if r.pieces else memoryview(r.payload.numpy())
-                        ntok, src = r.num_tokens, r.source_pos
-                    else:
-                        data = memoryview(r.payload.numpy())
-                        ntok, src = r.entry.num_tokens, r.entry.source_pos
-                    if heads is not None:  # only the caller's share of the heads crosses
-                        need = r.payload.numel()  # more than the slice: one buffer for every item
-                        if sliced is None or sliced.numel() < need:
-                            sliced = torch.empty(need, dtype=torch.uint8)
-                        data = memoryview(slice_heads(r.payload, layout, ntok, *heads, out=sliced).numpy())
-                    nbytes += len(data) if isinstance(data, memoryview) else sum(len(p) for p in data)
+                    nbytes += a.nbytes
                     meta = wire.FetchResponse(
-                        index=r.index, status=wire.CHUNK_STATUS_OK, num_tokens=ntok, source_pos=src,
-                        delta=r.delta, rotated=r.rotated, tier=r.tier,
+                        index=a.index, status=wire.CHUNK_STATUS_OK, num_tokens=a.num_tokens, source_pos=a.source_pos,
+                        delta=a.delta, rotated=a.rotated, tier=a.tier,
                     )
-                    frames = framer.add(meta, data)
+                    frames = framer.add(meta, a.data)  # copied here: the answer's buffer may be reused
                 for frame in frames:
                     yield frame
-                r = None  # a chunk shared by later items is kept by the data plane only while needed
+                a = None
                 try:
-                    r = await anext(results, None)
+                    a = await anext(answers, None)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - a tier failing mid-stream
@@ -452,10 +380,8 @@ class KVHandlers:
             for frame in framer.flush():
                 yield frame
         finally:
-            await results.aclose()
+            await answers.aclose()
             self.edge.close_shm(shm)
-            if sliced is not None:
-                self._slices.give(sliced)
         m = self.metrics
         m.fetch_bytes.inc(nbytes)
         m.fetch_seconds.observe(time.perf_counter() - t0)

@@ -50,17 +50,14 @@ class PoolHandlers:
         tenant = self.edge.tenancy.resolve(context)
         self._local(context)
         f = request.fetch
-        identity = self.edge.identities.get(f.identity, f.HasField("identity"))
-        layout = _layout(f, "fetch.layout")
         if f.HasField("heads"):
             raise InvalidArgument("fetch.heads: a lease answers whole chunks; read your heads from their slots")
-        items = self.kv.fetch_items(f, identity, tenant)
+        query = self.kv.fetch_query(f, tenant, "fetch.")
         t0 = time.perf_counter()
-        got = await self.pool.lease_fetch(tenant, identity, layout, items, self.kv.config.max_fetch_bytes)
-        per_token = layout.bytes_per_token
+        got = await self.pool.lease_fetch(query)
         m = self.kv.metrics
         m.fetch_seconds.observe(time.perf_counter() - t0)
-        m.fetch_bytes.inc(sum(s.rows for s in got.slots) * per_token)
+        m.fetch_bytes.inc(sum(s.rows for s in got.slots) * query.layout.bytes_per_token)
         return wire.LeaseFetchResponse(
             pool=got.pool, lease=got.lease, ttl_s=got.ttl_s, misses=got.misses,
             slots=[wire.PoolSlot(index=s.index, offset=s.read.offset, length=s.read.meta.payload_nbytes,

@@ -159,7 +159,7 @@ class SessionHandlers:
             rope = rope_from_wire(request.rope) if request.HasField("rope") else None
             end = request.end if request.HasField("end") else None
             span = self.service.held_span(tenant, sid, request.start, end, max_tokens=self.config.max_prompt_tokens)
-            runs = await self.dataplane.fetch_session(span, layout, rope, request.raw)
+            runs = await self.dataplane.held.fetch(span, layout, rope, request.raw)
             shm = self.edge.open_shm(request, context)
         except asyncio.CancelledError:
             raise

@@ -11,7 +11,7 @@ import torch
 
 from sidecar.app import create_server
 from sidecar.client import SidecarClient
-from sidecar.dataplane import fetch as fetch_path
+from sidecar.dataplane import reads as chunk_reads
 from sidecar.identity import CacheIdentity, KVLayout
 from sidecar.payload import decode_payload
 from sidecar.rotation import Pairing, RopeSpec, RotaryLayout, rotate_keys
@@ -110,7 +110,7 @@ async def test_small_fetch_windows_rotate_each_window_in_one_call(served, rng, m
         hits = (await c.lookup(toks, identity=ident)).hits()
         items = [(h.chunk_hash, h.start - h.chunk_offset + 33) for h in hits]
         whole = await c.fetch(items, identity=ident, layout=layout, rope=spec)
-        monkeypatch.setattr(fetch_path, "_FETCH_WINDOW_BYTES", 1)  # one chunk per window
+        monkeypatch.setattr(chunk_reads, "_FETCH_WINDOW_BYTES", 1)  # one chunk per window
         rotated0 = server.dataplane.counters.rotated_bytes
         windowed = await c.fetch(items, identity=ident, layout=layout, rope=spec)
     assert [f.data for f in windowed] == [f.data for f in whole]

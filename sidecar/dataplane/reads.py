@@ -1,7 +1,8 @@
-"""Fetch: registry entries (scope-checked) -> tier reads in bounded windows -> rotated payloads.
+"""Chunk reads: registry entries (scope-checked) -> tier reads in bounded windows -> rotated payloads.
 
-``FetchPath`` is the part of ``DataPlane`` that serves Fetch; it reads the plane's ``index``,
-``store`` and ``counters`` and calls its ``sync``. Results stream item by item: every
+``ChunkReads`` reads plain per-chunk Fetch items for the data plane (``fetch_query`` builds a
+Fetch's answers on it): it reads the plane's ``index`` and ``store``, counts into its
+``counters`` and calls its ``synced`` after reading. Results stream item by item: every
 validation error and the ``max_fetch_bytes`` refusal come with the first result; a chunk
 shared by several items is read once and kept only while needed.
 """
@@ -9,19 +10,16 @@ shared by several items is read once and kept only while needed.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import torch
 
 from sidecar.dataplane.records import DataPlaneCounters, FetchResult
 from sidecar.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from sidecar.identity import SHARED_SCOPE, CacheIdentity, KVLayout
+from sidecar.registry.chunk_index import ChunkIndex
 from sidecar.registry.entry import ChunkEntry, EntryState
-from sidecar.tiers import (
-    FetchedChunk,
-    Tier,
-    chunk_key,
-)
+from sidecar.tiers import FetchedChunk, Tier, TieredStore, chunk_key
 
 #: Fetch reads chunks in windows of about this many payload bytes (not all items at once)
 _FETCH_WINDOW_BYTES = 32 << 20
@@ -30,21 +28,16 @@ _FETCH_WINDOW_BYTES = 32 << 20
 _INLINE_ROTATION_BYTES = 1 << 20
 
 
-class FetchPath:
-    async def fetch(
-        self,
-        tenant: str,
-        identity: CacheIdentity,
-        layout: KVLayout,
-        rope,  # RopeSpec | None
-        items: Sequence[tuple[int, int]],
-        raw: bool,
-        max_bytes: int | None = None,
-    ) -> list[FetchResult]:
-        """``fetch_stream`` collected into a list (tests, small callers)."""
-        return [r async for r in self.fetch_stream(tenant, identity, layout, rope, items, raw, max_bytes)]
+class ChunkReads:
+    def __init__(self, index: ChunkIndex, store: TieredStore, counters: DataPlaneCounters,
+                 synced: Callable[[], Awaitable[None]]) -> None:
+        self.index = index
+        self.store = store
+        self.counters = counters
+        #: the plane's ``synced``: tier events applied to the registry after each read
+        self.synced = synced
 
-    async def fetch_stream(
+    async def stream(
         self,
         tenant: str,
         identity: CacheIdentity,
@@ -201,9 +194,6 @@ class FetchPath:
                 self.index.registry.set_state(e, EntryState.OBSERVED, None)
             return None
         return got
-
-    # ------------------------------------------------------------------ held sessions
-
 
 
 def check_layout(identity: CacheIdentity, layout: KVLayout) -> None:
