@@ -35,17 +35,21 @@ def test_the_workers_copy_check_holds_on_the_cpu_path():
     assert ok and len(rows) == 12 and {r["kind"] for r in rows} == {"gqa", "mla"}, rows
 
 
-def test_the_pool_check_holds_on_the_cpu_path():
+def test_the_pool_check_holds_on_the_cpu_path(monkeypatch):
     """Part 3 without CUDA: a pool file mapped as an engine maps it, copied chunk by chunk, equal;
-    no registration; the file is gone afterwards."""
+    no registration; its file is gone afterwards (other processes' pool files are theirs)."""
     import os
+    import secrets
 
-    from sidecar.shm.pool import FILE_PATTERN
+    from sidecar.shm.pool import FILE_PATTERN, FILE_PREFIX
 
-    before = {f for f in os.listdir("/dev/shm") if FILE_PATTERN.fullmatch(f)}
+    mark = secrets.token_hex(16)
+    monkeypatch.setattr(secrets, "token_hex", lambda n: mark)  # the check's file name, known here
+    name = FILE_PREFIX + mark
+    assert FILE_PATTERN.fullmatch(name) and not os.path.exists(os.path.join("/dev/shm", name))
     row, ok = gpu_check.check_pool(chunk_bytes=1 << 20, chunks=4, device="cpu")
     assert ok and row["correct"] and not row["registered"], row
-    assert {f for f in os.listdir("/dev/shm") if FILE_PATTERN.fullmatch(f)} == before
+    assert not os.path.exists(os.path.join("/dev/shm", name))
 
 
 @cuda
