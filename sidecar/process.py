@@ -2,6 +2,11 @@
 
 What an engine launcher, the benchmarks and the tests use to run a sidecar as deployed (its
 own interpreter and GIL) rather than in-process (``sidecar.app.ServerThread``).
+
+The child ends with its parent: it is handed the read end of a pipe whose write end only the
+parent holds (``PARENT_PIPE_ENV``), and ``kv-sidecar serve`` stops gracefully, as on SIGTERM,
+when that pipe closes. A parent that is killed (SIGKILL, the OOM killer, a timeout) so leaves
+no sidecar behind holding its port, its memory and its shared-memory pool.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: gRPC otherwise shares one connection among channels to one address, and the kernel spreads
 #: a supervisor's workers over connections (docs/operations.md, "Workers").
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+#: names the pipe descriptor whose end (its parent gone) stops ``kv-sidecar serve``
+PARENT_PIPE_ENV = "KV_SIDECAR_PARENT_PIPE"
 
 
 def spawn_sidecar(*flags: str, env: dict[str, str] | None = None, python: str | None = None,
@@ -36,8 +44,17 @@ def spawn_sidecar(*flags: str, env: dict[str, str] | None = None, python: str | 
     cmd = [python or sys.executable, "-m", "sidecar.cli", "serve", "--port", "0", "--metrics-port", "-1", "--log-level", "INFO",
            *flags]
     lines: deque[str] = log if log is not None else deque(maxlen=200)
-    proc = subprocess.Popen(cmd, cwd=root, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "LMCACHE_TRACK_USAGE": "false", **(env or {})})
+    r, w = os.pipe()  # the child ends when w closes: this process gone, or the Popen collected
+    try:
+        proc = subprocess.Popen(cmd, cwd=root, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                pass_fds=(r,),
+                                env={**os.environ, "LMCACHE_TRACK_USAGE": "false", **(env or {}), PARENT_PIPE_ENV: str(r)})
+    except BaseException:
+        os.close(w)
+        raise
+    finally:
+        os.close(r)
+    weakref.finalize(proc, os.close, w)
     try:
         deadline = time.time() + 120
         while time.time() < deadline:

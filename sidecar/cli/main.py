@@ -9,8 +9,10 @@ import faulthandler
 import gc
 import json
 import logging
+import os
 import signal
 import sys
+import threading
 from typing import Any
 
 import yaml
@@ -136,6 +138,28 @@ async def _serve(config: Any) -> None:
     await server.stop(config.grace_period_s)
 
 
+def _exit_with_parent() -> None:
+    """Started by ``sidecar.process`` (``PARENT_PIPE_ENV`` names a pipe only the parent writes
+    to): stop as on SIGTERM once the pipe closes, that is once the parent is gone, however it
+    ended. The variable is taken out of the environment, so a supervisor's workers (which
+    end with their supervisor) do not read a descriptor they were never given."""
+    from sidecar.process import PARENT_PIPE_ENV
+
+    fd = os.environ.pop(PARENT_PIPE_ENV, None)
+    if fd is None:
+        return
+
+    def watch() -> None:
+        try:
+            while os.read(int(fd), 1):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def _begin_startup_gc() -> None:
     """Stop the cyclic garbage collector for the start-up of ``serve``.
 
@@ -175,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         _begin_startup_gc()
+        _exit_with_parent()
     from sidecar.config import load_config, to_dict
 
     try:
