@@ -36,7 +36,8 @@ PARENT_PIPE_ENV = "KV_SIDECAR_PARENT_PIPE"
 def spawn_sidecar(*flags: str, env: dict[str, str] | None = None, python: str | None = None,
                   log: deque[str] | None = None, root: Path | None = None) -> tuple[subprocess.Popen, str]:
     """Start ``kv-sidecar serve`` in a child process and return it with its gRPC target once it
-    serves (the caller owns the process: fault tests SIGKILL it). Extra settings go in as
+    serves (the caller owns the process: fault tests SIGKILL it; the child ends with this process
+    or once the returned ``Popen`` is garbage collected, so keep it). Extra settings go in as
     ``--set key=value`` flags. The port is read from the INFO start-up line, so the log level
     stays at INFO; after start-up a thread keeps draining the log (a full pipe would stall the
     server) into ``log`` when one is given. ``root``: another checkout (a baseline server)."""
