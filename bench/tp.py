@@ -18,9 +18,9 @@ sidecar's host can take:
 Per path, two arms:
 
 * ``resharded``: ``clients.vllm.resharding.fetch_across``, as a worker loads a plan another cut
-  stored: per source rank holding some of its heads, a lease (its heads read in place from one
-  source rank, joined from several: one copy) or a Fetch of only those heads
-  (``FetchRequest.heads``, joined);
+  stored: per source rank holding some of its heads, a lease (its heads read in place, from
+  several source ranks each part placed into its own head range: no join) or a Fetch of only
+  those heads (``FetchRequest.heads``; from several source ranks, joined: one copy);
 * ``same``: the worker's own shard of a plan its own TP size stored (``plan_identity``): leased
   views of the pool, or a Fetch.
 

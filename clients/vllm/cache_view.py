@@ -15,9 +15,12 @@ protocol, members and signatures.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from clients.vllm.rows import HeadParts
 
 __all__ = ["CacheView"]
 
@@ -37,10 +40,12 @@ class CacheView(Protocol):
         """L: the layers this worker holds (its pipeline stage's, under pipeline parallelism)."""
         ...
 
-    def scatter(self, rows: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor) -> None:
+    def scatter(self, rows: torch.Tensor | HeadParts, block_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Write ``rows`` (the cache's dtype, any device) at token ``positions`` (int64 ``[n]``,
         ascending) of the request whose block table is ``block_ids`` (int64). Overwrites those
-        tokens' cells only."""
+        tokens' cells only. GQA rows may be a ``rows.HeadParts`` (head ranges of several
+        buffers): each part lands in its heads, with no join first, and heads no part holds
+        stay as they were."""
         ...
 
     def gather(self, block_ids: torch.Tensor, positions: torch.Tensor, host: bool = True) -> torch.Tensor:

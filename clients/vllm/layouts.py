@@ -15,7 +15,7 @@ latent rows ``[L, n, C]``; both ``cache_view.CacheView``s) move rows at a reques
 positions, with the same torch ops on CPU and CUDA tensors and no per-token Python:
 
 * ``scatter`` (loads): one indexed write per layer and part, every token addressed by its
-  (block, offset) pair;
+  (block, offset) pair (GQA rows held as head ranges, ``rows.HeadParts``: per range);
 * ``gather`` (stores): per run of consecutive positions, the whole blocks by one
   ``index_select`` over the block axis per layer, the partial ends (at most ``2 * (block_size -
   1)`` tokens a run) by (block, offset) pairs.
@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from clients.vllm.refusals import Refused
+from clients.vllm.rows import HeadParts, head_parts
 
 __all__ = ["KV_CACHE_LAYOUTS", "SUPPORTED_DTYPES", "LatentKV", "PagedSpec", "Run", "StandardKV", "UnsupportedLayout",
            "kv_cache_views", "runs", "slots"]
@@ -189,13 +190,15 @@ class _ViewCache:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def scatter(self, rows: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor) -> None:
+    def scatter(self, rows: torch.Tensor | HeadParts, block_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Write rows (any device) at ``positions`` (int64 ``[n]``) of the request whose block
-        table is ``block_ids``: one indexed write per layer and part."""
+        table is ``block_ids``: one indexed write per layer and part (K, V), and per head range
+        of a ``HeadParts``."""
         blk, off = slots(block_ids.to(self.device), positions.to(self.device), self.spec.block_size)
-        rows = rows.to(self.device, non_blocking=False)
-        for li, t in enumerate(self.layers):
-            self._write(t, rows[li], blk, off)
+        for part, first in self._parts(rows):
+            part = part.to(self.device, non_blocking=False)
+            for li, t in enumerate(self.layers):
+                self._write(t, part[li], blk, off, first)
 
     def gather(self, block_ids: torch.Tensor, positions: torch.Tensor, host: bool = True) -> torch.Tensor:
         """The rows at ``positions`` (int64 ``[n]``), a new tensor on the CPU (``host``) or the
@@ -213,7 +216,12 @@ class _ViewCache:
     def _rows_shape(self, n: int) -> tuple[int, ...]:
         raise NotImplementedError
 
-    def _write(self, t: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> None:
+    def _parts(self, rows: torch.Tensor | HeadParts) -> tuple[tuple[torch.Tensor, int], ...]:
+        """``rows`` as ``(rows, first head)`` parts (``rows.head_parts``)."""
+        return head_parts(rows)
+
+    def _write(self, t: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
+               first_head: int) -> None:
         raise NotImplementedError
 
     def _read(self, t: torch.Tensor, run: Run, out: torch.Tensor) -> None:
@@ -236,10 +244,13 @@ class StandardKV(_ViewCache):
     def _rows_shape(self, n: int) -> tuple[int, ...]:
         return self.num_layers, 2, n, self.spec.num_heads, self.spec.head_size
 
-    def _write(self, t: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> None:
+    def _write(self, t: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
+               first_head: int) -> None:
+        """``rows``: this layer's ``[2, n, h, D]``, heads ``[first_head, first_head + h)``."""
         D = self.spec.head_size
-        t[..., :D][blk, :, off] = rows[0]
-        t[..., D:][blk, :, off] = rows[1]
+        heads = slice(first_head, first_head + rows.shape[2])
+        t[..., :D][blk, heads, off] = rows[0]
+        t[..., D:][blk, heads, off] = rows[1]
 
     def _read(self, t: torch.Tensor, run: Run, out: torch.Tensor) -> None:
         """``out``: this layer's ``[2, n, H, D]`` rows of the run."""
@@ -267,7 +278,13 @@ class LatentKV(_ViewCache):
     def _rows_shape(self, n: int) -> tuple[int, ...]:
         return self.num_layers, n, self.spec.content
 
-    def _write(self, t: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> None:
+    def _parts(self, rows: torch.Tensor | HeadParts) -> tuple[tuple[torch.Tensor, int], ...]:
+        if isinstance(rows, HeadParts):
+            raise ValueError("rows: MLA latent rows have no heads to hold in parts")
+        return ((rows, 0),)
+
+    def _write(self, t: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
+               first_head: int) -> None:
         t[blk, 0, off] = rows
 
     def _read(self, t: torch.Tensor, run: Run, out: torch.Tensor) -> None:

@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from clients.vllm.rows import HeadParts, head_parts
+
 
 @contextmanager
 def single_threaded() -> Iterator[None]:
@@ -118,6 +120,11 @@ class BlockLayout:
         return cls(H, B, D, k_off, v_off, kind)
 
 
+#: the most elements ``PagedKV`` builds whole blocks in at a time (4 MiB of bf16): layers are
+#: grouped up to this, so a load's copies are few and large without holding a load's bytes twice
+_BUILD_ELEMS = 2 << 20
+
+
 class PagedKV:
     """The engine's per-layer paged caches in layer order, with copies to and from payloads: a
     ``cache_view.CacheView`` on host memory."""
@@ -129,6 +136,7 @@ class PagedKV:
         self.device = layers[0].device
         nb = layers[0].shape[0]
         self._flat = [t.view(nb, -1) for t in layers]
+        self._build = torch.empty(0, dtype=self.dtype)  # whole blocks built here (scatter), reused
         H, B, D = layout.num_kv_heads, layout.block_size, layout.head_size
         if layout.kind == "kT_v":
             # [nb, H, 2, D*B] -> K [nb, H, D, B], V [nb, H, B, D]
@@ -169,31 +177,69 @@ class PagedKV:
             out[li, 1] = self._flat[li][b3, vidx]
         return out
 
-    def scatter(self, rows: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write ``rows`` ``[L, 2, n, H, D]`` (engine dtype) at ``positions`` (ascending)."""
-        n = len(positions)
-        H, B, D = self.layout.num_kv_heads, self.layout.block_size, self.layout.head_size
-        if self.layout.kind == "kT_v":
-            blks, at, m = self._blocks(block_ids, positions)
-            whole = m * B == n  # every covered block is overwritten entirely (block-aligned loads)
-            for li in range(self.num_layers):
-                if whole:
-                    k = rows[li, 0].reshape(m, B, H, D)
-                    v = rows[li, 1].reshape(m, B, H, D)
-                else:
-                    cur = self._flat[li].index_select(0, blks).view(m, H, 2, B * D)
-                    k = cur[:, :, 0].view(m, H, D, B).permute(0, 3, 1, 2).reshape(m * B, H, D)
-                    v = cur[:, :, 1].view(m, H, B, D).permute(0, 2, 1, 3).reshape(m * B, H, D)
-                    k.index_copy_(0, at, rows[li, 0])
-                    v.index_copy_(0, at, rows[li, 1])
-                    k, v = k.view(m, B, H, D), v.view(m, B, H, D)
-                x = torch.empty((m, H, 2, B * D), dtype=self.dtype)
-                x[:, :, 0].view(m, H, D, B).copy_(k.permute(0, 2, 3, 1))
-                x[:, :, 1].view(m, H, B, D).copy_(v.permute(0, 2, 1, 3))
-                self._flat[li].index_copy_(0, blks, x.view(m, -1))
+    def scatter(self, rows: torch.Tensor | HeadParts, block_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write ``rows`` ``[L, 2, n, H, D]`` (engine dtype; or a ``HeadParts`` whose parts tile one
+        head range) at ``positions`` (ascending). A block holds its heads one after another, so
+        a head range is one slice of each block."""
+        parts = sorted(head_parts(rows), key=lambda p: p[1])
+        lo = hi = parts[0][1]
+        for part, first in parts:
+            if first != hi:
+                raise ValueError(f"rows: head parts at {[f for _, f in parts]} do not tile one head range")
+            hi += part.shape[3]
+        B, D = self.layout.block_size, self.layout.head_size
+        cells = slice(lo * 2 * B * D, hi * 2 * B * D)  # of a block, the head range's
+        blks, at, m = self._blocks(block_ids, positions)
+        if self.layout.kind == "kT_v" and m * B == len(positions):  # whole blocks (block-aligned loads)
+            self._write_blocks(parts, lo, hi, blks, m, cells)
             return
+        for part, first in parts:
+            self._write_tokens(part, first, blks, at, m, block_ids, positions)
+
+    def _write_blocks(self, parts: list[tuple[torch.Tensor, int]], lo: int, hi: int, blks: torch.Tensor, m: int,
+                      cells: slice) -> None:
+        """``kT_v``, every covered block overwritten: its cells built for a group of layers at a
+        time (one transposing copy per part, K and V, each group) and written whole, one
+        ``index_copy_`` per layer."""
+        B, D, h = self.layout.block_size, self.layout.head_size, hi - lo
+        per_layer = m * h * 2 * B * D
+        group = max(1, min(self.num_layers, _BUILD_ELEMS // per_layer))
+        if self._build.numel() < group * per_layer:
+            self._build = torch.empty(group * per_layer, dtype=self.dtype)
+        for l0 in range(0, self.num_layers, group):
+            g = min(group, self.num_layers - l0)
+            x = self._build[:g * per_layer].view(g, m, h, 2, B * D)
+            for part, first in parts:
+                n, k = part.shape[3], first - lo
+                src = part[l0:l0 + g]
+                x[:, :, k:k + n, 0].view(g, m, n, D, B).copy_(src[:, 0].reshape(g, m, B, n, D).permute(0, 1, 3, 4, 2))
+                x[:, :, k:k + n, 1].view(g, m, n, B, D).copy_(src[:, 1].reshape(g, m, B, n, D).permute(0, 1, 3, 2, 4))
+            for i in range(g):
+                self._flat[l0 + i][:, cells].index_copy_(0, blks, x[i].view(m, -1))
+
+    def _write_tokens(self, rows: torch.Tensor, first: int, blks: torch.Tensor, at: torch.Tensor, m: int,
+                      block_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """``rows`` ``[L, 2, n, h, D]``, heads ``[first, first + h)``, token by token: ``kT_v`` with
+        partial blocks (the covered blocks read, the tokens written in, written back), or any
+        learned layout by its offsets."""
+        n, h = len(positions), rows.shape[3]
+        B, D = self.layout.block_size, self.layout.head_size
+        if self.layout.kind == "kT_v":
+            dest = [t[:, first * 2 * B * D:(first + h) * 2 * B * D] for t in self._flat]
+            for li in range(self.num_layers):
+                cur = dest[li].index_select(0, blks).view(m, h, 2, B * D)
+                k = cur[:, :, 0].view(m, h, D, B).permute(0, 3, 1, 2).reshape(m * B, h, D)
+                v = cur[:, :, 1].view(m, h, B, D).permute(0, 2, 1, 3).reshape(m * B, h, D)
+                k.index_copy_(0, at, rows[li, 0])
+                v.index_copy_(0, at, rows[li, 1])
+                x = torch.empty((m, h, 2, B * D), dtype=self.dtype)
+                x[:, :, 0].view(m, h, D, B).copy_(k.view(m, B, h, D).permute(0, 2, 3, 1))
+                x[:, :, 1].view(m, h, B, D).copy_(v.view(m, B, h, D).permute(0, 2, 1, 3))
+                dest[li].index_copy_(0, blks, x.view(m, -1))
+            return
+        heads = slice(first, first + h)
         blk, off = block_ids[positions // B], positions % B
-        kidx, vidx = self.layout.k_off[off], self.layout.v_off[off]
+        kidx, vidx = self.layout.k_off[off][:, heads], self.layout.v_off[off][:, heads]
         b3 = blk.view(n, 1, 1)
         for li in range(self.num_layers):
             self._flat[li][b3, kidx] = rows[li, 0]

@@ -2,16 +2,19 @@
 re-positioned where shifted, and scattered.
 
 An item is ``(start, end, rows, delta)``: its rows (``rows.py``: a view of a Fetch's payload or
-of the sidecar's shared pool, never written here) belong at token positions ``[start, end)`` of
-the request whose block table is ``block_ids``, and ``delta`` is the RoPE shift still to apply
-(0: exact, or rotated by the sidecar already).
+of the sidecar's shared pool, never written here; GQA rows may be a ``rows.HeadParts``, head
+ranges of several such views) belong at token positions ``[start, end)`` of the request whose
+block table is ``block_ids``, and ``delta`` is the RoPE shift still to apply (0: exact, or
+rotated by the sidecar already).
 
 * **CPU, GQA / MHA rows** (the CPU backend's cache is host memory): an exact item is scattered
-  straight from its view (from the shared pool: one pass over its bytes, no intermediate
-  copy); a shifted item is copied once into a reused scratch buffer as a payload, all of the
-  load's shifted items rotated there by one serial call of the fused kernel (no thread pool:
-  vLLM's OpenMP team stays as it is, see ``rows.rotate_keys``), and scattered from there.
-* **CUDA**: the items go host-to-device in one step (``Staging.to_device``: straight from the
+  straight from its view (from the shared pool: no intermediate copy; a ``HeadParts`` item
+  each part into its head range, ``CacheView.scatter``); a shifted item is copied once into a reused
+  scratch buffer as a payload (a ``HeadParts`` item's parts at their head offsets), all of
+  the load's shifted items rotated there by one serial call of the fused kernel (no thread
+  pool: vLLM's OpenMP team stays as it is, see ``rows.rotate_keys``), and scattered from there.
+* **CUDA**: a ``HeadParts`` item is first joined on the host (into the scratch buffer: one
+  copy); the items go host-to-device in one step (``Staging.to_device``: straight from the
   shared pool where it is registered as pinned memory, else through the pinned buffer), runs
   of consecutive positions are joined and rotated on the device, and scattered.
 * **MLA latent rows** (already a copy: ``rows.LatentRows.of``): per run, joined, rotated in
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from clients.vllm.rows import GqaRows
+from clients.vllm.rows import GqaRows, HeadParts, head_parts
 
 if TYPE_CHECKING:
     from clients.vllm.cache_view import CacheView
@@ -33,7 +36,7 @@ if TYPE_CHECKING:
     from sidecar.identity import KVLayout
     from sidecar.rotation import RopeSpec
 
-Item = tuple[int, int, torch.Tensor, int]
+Item = tuple[int, int, "torch.Tensor | HeadParts", int]
 
 
 class Scratch:
@@ -47,6 +50,11 @@ class Scratch:
         if self._buf.numel() < nbytes:
             self._buf = torch.empty(nbytes, dtype=torch.uint8)
         return self._buf[:nbytes]
+
+    @property
+    def size(self) -> int:
+        """The bytes held: the largest ``take`` so far (0: never taken)."""
+        return self._buf.numel()
 
 
 def runs_of(items: list[Item]) -> list[tuple[int, int, list[torch.Tensor], list[tuple[int, int]]]]:
@@ -70,7 +78,8 @@ def place(cache: "CacheView", rows_kind: Any, items: list[Item], block_ids: torc
     if not items:
         return 0
     if staging.cuda:
-        return _place_on_device(cache, rows_kind, items, block_ids, staging, rope, registered)
+        return _place_on_device(cache, rows_kind, _joined(items, layout, scratch), block_ids, staging, rope,
+                                registered)
     if rows_kind is GqaRows:
         return _place_on_host(cache, items, block_ids, rope, layout, scratch)
     return _place_runs(cache, rows_kind, runs_of(items), block_ids, rope)
@@ -96,13 +105,33 @@ def _place_on_host(cache: "CacheView", items: list[Item], block_ids: torch.Tenso
     for start, end, rows, delta in shifted:
         n = end - start
         payload = buf[at:at + n * per_token]
-        GqaRows.of(payload, layout, n).copy_(rows)
+        dest = GqaRows.of(payload, layout, n)
+        for part, first in head_parts(rows):
+            dest[:, :, :, first:first + part.shape[3]].copy_(part)
         copies.append((payload, n, int(delta)))
         at += n * per_token
     rotate_payloads_(copies, layout, rope, parallel=False)
     for (start, end, _, _), (payload, n, _) in zip(shifted, copies):
         cache.scatter(GqaRows.of(payload, layout, n), block_ids, _positions(start, end))
     return sum(n for _, n, _ in copies)
+
+
+def _joined(items: list[Item], layout: "KVLayout", scratch: Scratch) -> list[Item]:
+    """``items`` with every ``HeadParts`` joined into ``scratch`` (the CUDA path sends one
+    tensor an item); the others as they are."""
+    split = [(s, e) for s, e, r, _ in items if isinstance(r, HeadParts)]
+    if not split:
+        return items
+    per_token = layout.bytes_per_token
+    buf = scratch.take(sum(e - s for s, e in split) * per_token)
+    out, at = [], 0
+    for start, end, rows, delta in items:
+        if isinstance(rows, HeadParts):
+            n = end - start
+            rows = rows.join(GqaRows.of(buf[at:at + n * per_token], layout, n))
+            at += n * per_token
+        out.append((start, end, rows, delta))
+    return out
 
 
 def _place_on_device(cache: "CacheView", rows_kind: Any, items: list[Item], block_ids: torch.Tensor, staging: "Staging",

@@ -4,10 +4,12 @@ When the scheduler side's Lookup found the items under another cut (``LoadJob.pl
 the stored cut's rank-0 shard: a TP 1 engine reading what a TP 4 one stored, or the reverse),
 each worker reads from the ranks of that cut holding its own KV heads
 (``sidecar.cuts.covering``): on the sidecar's host it leases their chunks in the shared pool and
-reads only its heads there (from one source rank the placement reads them in place; from
-several they are joined first, one copy); elsewhere one Fetch per source rank names the source
-rank's identity, the plan's identity and the head range it needs (``FetchRequest.heads``), so
-the sidecar sends exactly this worker's share, and the parts are joined.
+reads only its heads there, in place (from several source ranks an item's rows are a
+``rows.HeadParts``: the placement writes each part into its head range of the cache, no join);
+elsewhere one Fetch per source rank names the source rank's identity, the plan's identity and
+the head range it needs (``FetchRequest.heads``), so the sidecar sends exactly this worker's
+share, and the parts are joined (one copy: each Fetch's payloads are views of a buffer lent to
+that call).
 
 A source rank missing a chunk makes the item a miss for this worker only: vLLM recomputes its
 blocks (on every worker, as for any failed load). Pipeline stages must match; an MLA latent is
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from clients.vllm.rows import GqaRows, fetched_rows, leased_rows
+from clients.vllm.rows import GqaRows, HeadParts, fetched_rows, leased_rows
 from sidecar.cuts import covering, cut_of, heads_layout
 
 if TYPE_CHECKING:
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
 
 def fetch_across(job: "LoadJob", shape: "EngineShape", call: Any, scratch: "Scratch", *, raw: bool,
                  pool: "PoolClient | None" = None
-                 ) -> tuple[list[tuple[Any, torch.Tensor | None, int, int]], Callable[[], bool]] | None:
+                 ) -> tuple[list[tuple[Any, torch.Tensor | HeadParts | None, int, int]], Callable[[], bool]] | None:
     """Each item's rows (None: a miss), the delta still to apply here and the bytes read, from
     the cut ``job.plan_shard`` names, and ``finish()``: call it once the rows are placed; False
     when a leased chunk's bytes changed meanwhile (its lease expired: the load is not to be
@@ -42,10 +44,10 @@ def fetch_across(job: "LoadJob", shape: "EngineShape", call: Any, scratch: "Scra
 
     ``call(fn)``: the worker's fail-soft call (``fn(client)``, None when the sidecar failed).
     With ``pool`` (the sidecar's shared pool, mapped), each source rank's chunks are leased and
-    only this worker's heads are read: from one source rank the rows are strided views of the
-    pool (no copy here; the placement reads them), from several they are joined into
-    ``scratch`` (valid until its next use). Without, each source rank's Fetch names the head
-    range (``FetchRequest.heads``) and the parts are joined into ``scratch``."""
+    only this worker's heads are read: the rows are strided views of the pool (no copy here;
+    the placement reads them), from several source ranks a ``HeadParts`` of them. Without,
+    each source rank's Fetch names the head range (``FetchRequest.heads``) and the parts are
+    joined into ``scratch`` (valid until its next use)."""
     own, src = cut_of(shape.identity.shard), cut_of(job.plan_shard or "")
     if own is None or src is None or shape.mla or own.rest != src.rest:
         return None
@@ -55,13 +57,14 @@ def fetch_across(job: "LoadJob", shape: "EngineShape", call: Any, scratch: "Scra
     src_layout = heads_layout(shape.layout, shape.model_kv_heads // src.size)
     plan = replace(shape.identity, shard=src.shard(0), kv_layout=src_layout.fingerprint())
     items = job.items
-    in_place = pool is not None and len(parts) == 1
+    join = pool is None and len(parts) > 1
     per_token = shape.layout.bytes_per_token
-    buf = None if in_place else scratch.take(sum(len(it) for it in items) * per_token)
+    buf = scratch.take(sum(len(it) for it in items) * per_token) if join else None
     at = [0]
     for it in items:
         at.append(at[-1] + len(it) * per_token)
-    rows: list[torch.Tensor | None] = [None] * len(items)
+    joined: list[torch.Tensor | None] = [None] * len(items)  # (join) each item's rows in the scratch
+    held: list[list[tuple[torch.Tensor, int]]] = [[] for _ in items]  # (else) each item's (part, first head)
     deltas: list[int | None] = [None] * len(items)
     ok = [True] * len(items)
     moved = [0] * len(items)
@@ -77,21 +80,29 @@ def fetch_across(job: "LoadJob", shape: "EngineShape", call: Any, scratch: "Scra
                 continue
             part, delta, nbytes = got
             moved[i] += nbytes
-            if in_place:
-                rows[i], deltas[i] = part, delta
-                continue
             if deltas[i] is None:
                 deltas[i] = delta
-                rows[i] = GqaRows.of(buf[at[i]:at[i + 1]], shape.layout, len(items[i]))
+                if join:
+                    joined[i] = GqaRows.of(buf[at[i]:at[i + 1]], shape.layout, len(items[i]))
             elif deltas[i] != delta:  # the shards were stored at other positions: not one chunk
                 ok[i] = False
                 continue
-            rows[i][:, :, :, here:here + count] = part
+            if join:
+                joined[i][:, :, :, here:here + count] = part
+            else:
+                held[i].append((part, here))
+
+    def rows(i: int) -> torch.Tensor | HeadParts | None:
+        if not ok[i]:
+            return None
+        if join:
+            return joined[i]
+        return held[i][0][0] if len(held[i]) == 1 else HeadParts(tuple(held[i]))
 
     def finish_all() -> bool:
         return all([f() for f in finishes])  # every one ends its leases
 
-    return [(it, rows[i] if ok[i] else None, deltas[i] or 0, moved[i]) for i, it in enumerate(items)], finish_all
+    return [(it, rows(i), deltas[i] or 0, moved[i]) for i, it in enumerate(items)], finish_all
 
 
 def _fetched(call, pool, items, source, plan, src_layout, shape, first, count, raw):
@@ -111,8 +122,8 @@ def _fetched(call, pool, items, source, plan, src_layout, shape, first, count, r
 
 def _leased(call, pool, items, source, plan, src_layout, shape, first, count, raw):
     """``_fetched`` through the shared pool: the source rank's chunks leased and this worker's
-    heads viewed in place (the caller's join copies them); ``finish()`` ends the lease and says
-    whether every chunk still held its leased bytes."""
+    heads viewed in place (the placement reads them there); ``finish()`` ends the lease and
+    says whether every chunk still held its leased bytes."""
     leased = call(lambda c: pool.lease([it.fetch_item for it in items], identity=source, layout=src_layout,
                                        plan_identity=plan))
     if leased is None:

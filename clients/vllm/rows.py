@@ -7,6 +7,10 @@ how a payload becomes rows and back::
     GqaRows     [L, 2, n, H, D]   K then V per layer; a payload view, no copy
     LatentRows  [L, n, C]         MLA: one latent row per token, [c_kv | k_pe], rope part last
 
+GQA rows may also come as ``HeadParts``: head ranges of several buffers (a re-sharded load's
+source ranks in the shared pool), each placed into its own heads of the cache, never joined on
+the CPU path.
+
 ``rotate`` re-positions the rows' keys by a per-token delta (``sidecar.rotation.rotate_keys``,
 the same kernels as the sidecar's: fused CPU, Triton on CUDA); values and MLA latents stay
 bit-identical. No per-token Python: one call per run of rows.
@@ -14,6 +18,7 @@ bit-identical. No per-token Python: one call per run of rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,6 +61,30 @@ class GqaRows:
         """Keys ``rows[:, 0]`` (``[L, n, H, D]``) by ``delta`` (int64 ``[n]``), in place."""
         rows[:, 0] = rotate_keys(rows[:, 0], delta.view(1, -1, 1), rope)
         return rows
+
+
+@dataclass(frozen=True, slots=True)
+class HeadParts:
+    """One item's GQA rows ``[L, 2, n, H, D]`` held as head ranges of other buffers: ``parts``
+    are ``(rows [L, 2, n, h, D], first head)``, together covering heads ``[0, H)`` once. A
+    cache writes each straight into its heads (``CacheView.scatter``'s ``first_head``)."""
+
+    parts: tuple[tuple[torch.Tensor, int], ...]
+
+    @property
+    def num_heads(self) -> int:
+        return max(first + rows.shape[3] for rows, first in self.parts)
+
+    def join(self, out: torch.Tensor) -> torch.Tensor:
+        """The parts copied into ``out`` (``[L, 2, n, H, D]``) at their head offsets; ``out``."""
+        for rows, first in self.parts:
+            out[:, :, :, first:first + rows.shape[3]].copy_(rows)
+        return out
+
+
+def head_parts(rows: "torch.Tensor | HeadParts") -> tuple[tuple[torch.Tensor, int], ...]:
+    """``rows`` as ``(rows, first head)`` parts: a ``HeadParts``' own, else one part of every head."""
+    return rows.parts if isinstance(rows, HeadParts) else ((rows, 0),)
 
 
 class LatentRows:

@@ -144,3 +144,44 @@ def test_a_lost_source_shard_is_a_miss_only_for_the_workers_that_need_it(engine_
     for w in ranks:  # the failed blocks were recomputed on every worker: exact either way
         positions = np.arange(n - 1)
         assert torch.equal(rows_of(w, load.block_ids, positions), expected(body, positions, w))
+
+
+@pytest.mark.parametrize("path", ["pool", "fetch"])
+@pytest.mark.parametrize("shifted", [False, True], ids=["exact", "shifted"])
+@pytest.mark.parametrize("stored,loaded", [(2, 1), (4, 1), (4, 2)], ids=lambda p: f"tp{p}")
+def test_heads_from_several_source_ranks_are_placed_without_a_join_through_the_pool(
+        engine_at, new_engine, prompts, stored, loaded, shifted, path):
+    """A worker whose heads several source ranks hold: through the shared pool each rank's part
+    goes straight into its head range of the cache (shifted: into the placement's own scratch,
+    where it is rotated, at its head offset), so no join buffer is taken; a Fetch's parts are
+    still joined. Every loaded cell is the reference either way."""
+    body = prompts.msg(200) + prompts.msg(300) + prompts.msg(150)
+    store(engine_at, stored, body)
+    header = prompts.msg(40) if shifted else []
+    tokens = header + body
+    side, ranks = engine_at(loaded)
+    if path == "fetch":  # the same engine shapes and caches, without the shared pool
+        side, ranks = new_engine(side.shape, [w.shape for w in ranks], lambda ws: cache_like(ranks[0], ws),
+                                 shared_pool=False)
+    b = FakeScheduler(side, ranks)
+    b.add_request(Request("b", tokens))
+    [load] = loads(b)
+    assert load.plan_shard == shard_name(0, stored)
+    assert all(it.exact for it in load.items) != shifted
+    served = sum(len(it) for it in load.items)
+    positions = np.concatenate([np.arange(it.start, it.end) for it in load.items])
+    for w in ranks:
+        assert any(p is not None for p in w._pools.values()) == (path == "pool")  # the path under test
+        assert w.counters["loaded_tokens"] == served and w.counters["load_failed_tokens"] == 0, w.counters
+        want = (expected_shifted(body, len(header), positions, w) if shifted
+                else expected(tokens, positions, w))
+        assert torch.equal(rows_of(w, load.block_ids, positions), want), w.shape.identity
+        joined = w._reshard_scratch.size
+        assert joined == (0 if path == "pool" else served * w.shape.layout.bytes_per_token), joined
+        rotated_here = shifted and path == "pool"  # a Fetch's rows come rotated by the sidecar (CPU cache)
+        assert w._scratch.size == (served * w.shape.layout.bytes_per_token if rotated_here else 0)
+
+
+def cache_like(worker: WorkerSide, ws: EngineShape):
+    """A fresh cache of ``worker``'s kind for the worker shape ``ws``."""
+    return cache("cpu" if isinstance(worker.paged, PagedKV) else "standard", ws.num_kv_heads)
