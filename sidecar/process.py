@@ -29,8 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 #: gRPC otherwise shares one connection among channels to one address, and the kernel spreads
 #: a supervisor's workers over connections (docs/operations.md, "Workers").
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
-#: names the pipe descriptor whose end (its parent gone) stops ``kv-sidecar serve``
-PARENT_PIPE_ENV = "KV_SIDECAR_PARENT_PIPE"
+#: names the pipe descriptor whose end (its parent gone) stops ``kv-sidecar serve``; not under
+#: ``KV_SIDECAR_``, which the configuration reads as settings (an older checkout's sidecar, a
+#: benchmark's baseline, would refuse it as an unknown one)
+PARENT_PIPE_ENV = "KVSC_PARENT_PIPE"
 
 
 def spawn_sidecar(*flags: str, env: dict[str, str] | None = None, python: str | None = None,

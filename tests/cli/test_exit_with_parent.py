@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from sidecar.process import ROOT, child_pids
 
 PARENT = """
@@ -78,3 +80,15 @@ def test_a_supervisor_and_its_workers_end_when_its_parent_is_killed(redis_url):
     for p in left:
         os.kill(p, signal.SIGKILL)
     assert len(pids) == 3 and left == [], (pids, left)
+
+
+def test_the_pipe_variable_is_no_setting():
+    """The variable stays outside the settings' prefix: a sidecar that does not know it (an older
+    checkout, a benchmark's baseline) would refuse it as an unknown setting and not start."""
+    from sidecar.config import ENV_PREFIX, load_config
+    from sidecar.process import PARENT_PIPE_ENV
+
+    assert not PARENT_PIPE_ENV.startswith(ENV_PREFIX)
+    load_config(None, env={PARENT_PIPE_ENV: "7"})  # ignored, not refused
+    with pytest.raises(ValueError, match="parent_pipe"):
+        load_config(None, env={ENV_PREFIX + "PARENT_PIPE": "7"})  # what the old name did
