@@ -264,6 +264,14 @@ def layout_from_wire(msg: pb.KVLayout, field: str = "layout") -> KVLayout:
         raise InvalidArgument(f"{field}: {exc}") from exc
 
 
+def required_layout(msg, field: str = "layout") -> KVLayout:
+    """The ``layout`` field of ``msg`` (a FetchRequest, FetchSessionRequest, StoreHeader),
+    decoded; INVALID_ARGUMENT naming ``field`` when it is unset or malformed."""
+    if not msg.HasField("layout"):
+        raise InvalidArgument(f"{field}: required")
+    return layout_from_wire(msg.layout, field)
+
+
 def rope_to_wire(spec: "RopeSpec") -> pb.RopeParams:
     return pb.RopeParams(
         rotary_dim=spec.rotary_dim,

@@ -27,6 +27,7 @@ from sidecar.api.kv import (
     lookup_plan_to_wire,
     policy_from_wire,
     repair_from_wire,
+    required_layout,
     rope_from_wire,
     tokens_from_wire,
 )
@@ -298,9 +299,7 @@ class KVHandlers:
         ``field`` when the request is nested in another)."""
         cfg = self.config
         identity = self.edge.identities.get(request.identity, request.HasField("identity"))
-        if not request.HasField("layout"):
-            raise InvalidArgument(f"{field}layout: required")
-        layout = layout_from_wire(request.layout, f"{field}layout")
+        layout = required_layout(request, f"{field}layout")
         plan_identity = None
         if request.HasField("plan_identity"):
             if not request.plan_identity.model_id:

@@ -15,7 +15,7 @@ import time
 import grpc
 
 import sidecar.api.pool as wire
-from sidecar.api.kv import layout_from_wire
+from sidecar.api.kv import required_layout
 from sidecar.dataplane import DataPlane
 from sidecar.errors import FailedPrecondition, InvalidArgument
 from sidecar.server.edge import Edge, rpc
@@ -81,7 +81,7 @@ class PoolHandlers:
         self._local(context)
         header = request.header
         tokens, identity, scope = self.kv.store_header(header, tenant)
-        layout = _layout(header, "header.layout")
+        layout = required_layout(header, "header.layout")
         res = await self.pool.reserve_store(tenant, tokens, header.tokens, identity, scope, layout,
                                             header.register_from, list(request.chunk_starts))
         return wire.ReserveStoreResponse(
@@ -108,13 +108,6 @@ class PoolHandlers:
         tenant = self.edge.tenancy.resolve(context)
         rid = wire.check_id(request.reservation, "reservation")
         return wire.AbortStoreResponse(slots=await self.pool.abort_store(tenant, rid))
-
-
-def _layout(msg, field: str):
-    """The required ``layout`` of ``msg`` (a FetchRequest or StoreHeader), decoded."""
-    if not msg.HasField("layout"):
-        raise InvalidArgument(f"{field}: required")
-    return layout_from_wire(msg.layout, field)
 
 
 async def run_reaper(dataplane: DataPlane, every_s: float) -> None:

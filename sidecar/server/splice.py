@@ -18,7 +18,7 @@ import grpc
 
 import sidecar.api.splice as wire
 from sidecar.api.frames import Framer
-from sidecar.api.kv import layout_from_wire, rope_from_wire
+from sidecar.api.kv import required_layout, rope_from_wire
 from sidecar.api.splice import (
     directives_from_wire,
     op_plan_to_wire,
@@ -153,9 +153,7 @@ class SessionHandlers:
         try:
             tenant = self.edge.tenancy.resolve(context)
             sid = session_id_from_wire(request.session_id)
-            if not request.HasField("layout"):
-                raise InvalidArgument("layout: required")
-            layout = layout_from_wire(request.layout)
+            layout = required_layout(request)
             rope = rope_from_wire(request.rope) if request.HasField("rope") else None
             end = request.end if request.HasField("end") else None
             span = self.service.held_span(tenant, sid, request.start, end, max_tokens=self.config.max_prompt_tokens)
