@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sidecar.dataplane.fetch_query import FetchQuery
-from sidecar.dataplane.reads import check_layout
+from sidecar.dataplane.reads import check_fetch_bytes, check_layout
 from sidecar.dataplane.records import StoreOutcome
 from sidecar.dataplane.spans import expand as expand_spans
 from sidecar.errors import InvalidArgument, NotFound, ResourceExhausted
@@ -142,9 +142,7 @@ class PoolPath:
             ok = e is not None and e.state is EntryState.RESIDENT and e.scope in (tenant, SHARED_SCOPE)
             entries.append(e if ok else None)
         total = sum(e.num_tokens * per_token for e in entries if e is not None)
-        if max_bytes is not None and total > max_bytes:
-            raise ResourceExhausted(f"max_fetch_bytes: the hits of this Fetch hold {total} payload bytes, more "
-                                    f"than {max_bytes}; split it into smaller Fetches")
+        check_fetch_bytes(total, max_bytes)
         # Pinning runs to its end even if this call is cancelled meanwhile (a deadline, a killed
         # engine): its pins are recorded under a lease at once, which the TTL ends if nobody
         # releases it, so no pin is ever left without an owner.

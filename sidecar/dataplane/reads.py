@@ -85,11 +85,7 @@ class ChunkReads:
             if rope is None:
                 raise InvalidArgument("rope: required to rotate shifted chunks (or set raw)")
             check_rope(identity, layout, rope)
-        if max_bytes is not None and total > max_bytes:
-            raise ResourceExhausted(
-                f"max_fetch_bytes: the hits of this Fetch hold {total} payload bytes, more than {max_bytes}; "
-                "split it into smaller Fetches"
-            )
+        check_fetch_bytes(total, max_bytes)
         # Uses left of each chunk (raw payload) and of each (chunk, delta) (its rotated copy).
         left: dict[int, int] = {}
         left_rot: dict[tuple[int, int], int] = {}
@@ -202,6 +198,16 @@ def check_layout(identity: CacheIdentity, layout: KVLayout) -> None:
         raise FailedPrecondition(
             f"identity.kv_layout: {identity.kv_layout!r} does not match the layout's fingerprint {fp!r} "
             "(payloads are only stored and served under an identity that names their layout)"
+        )
+
+
+def check_fetch_bytes(total: int, max_bytes: int | None) -> None:
+    """A Fetch (or lease) whose hits hold ``total`` payload bytes, against ``max_fetch_bytes``
+    (None: unbounded): RESOURCE_EXHAUSTED naming it, checked before anything is read."""
+    if max_bytes is not None and total > max_bytes:
+        raise ResourceExhausted(
+            f"max_fetch_bytes: the hits of this Fetch hold {total} payload bytes, more than {max_bytes}; "
+            "split it into smaller Fetches"
         )
 
 
